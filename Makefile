@@ -1,0 +1,32 @@
+# Everything a fresh clone needs: `make demo` and `make test` set themselves up.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	mkdir -p .aisched/prefect
+	AISCHED_HOME=$(CURDIR)/.aisched PREFECT_HOME=$(CURDIR)/.aisched/prefect PREFECT_LOGGING_LEVEL=INFO \
+		$(BIN)/python -m flows.nightly
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) .aisched .pytest_cache

@@ -1,0 +1,31 @@
+"""Named errors of aisched-prefect. Every message names what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class AISchedError(Exception):
+    """Base class for every error raised by aisched_prefect."""
+
+
+class InvalidAIRequest(AISchedError, ValueError):
+    """An @ai_task declared a request that cannot be valid."""
+
+
+class NoAdmissionContext(AISchedError):
+    """An AI task ran outside a flow whose task runner is AISchedTaskRunner."""
+
+
+class AdmissionDenied(AISchedError):
+    """A run was refused at admission; nothing ran and nothing stays reserved."""
+
+    def __init__(self, stage: str, reason: str, fix: str) -> None:
+        self.stage, self.reason, self.fix = stage, reason, fix
+        super().__init__(f"denied at {stage}: {reason}. Fix: {fix}")
+
+
+class TicketRejected(AISchedError):
+    """A worker refused to run a task whose admission ticket is missing or wrong."""
+
+
+class ConfigurationError(AISchedError, ValueError):
+    """The runner was configured with something it cannot use."""

@@ -1,0 +1,77 @@
+"""Evidence records and their hash chain: pure functions, checked offline by `aisched evidence verify`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+GENESIS = "0" * 64
+
+KINDS = ("admission", "denial", "approval-requested", "approval", "settlement")
+
+
+class EvidenceRecord(BaseModel):
+    """One decision: who, what, which grant, which policy, budget before/after, placement, outcome."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seq: int
+    ts: float
+    kind: str
+    flow_run_id: str | None
+    task_run_id: str | None
+    principal: str | None
+    payload: dict[str, Any]
+    prev_hash: str
+    hash: str
+
+
+def canonical(seq: int, ts: float, kind: str, flow_run_id: str | None, task_run_id: str | None,
+              principal: str | None, payload: dict[str, Any]) -> bytes:
+    body = {
+        "seq": seq, "ts": repr(float(ts)), "kind": kind, "flow_run_id": flow_run_id,
+        "task_run_id": task_run_id, "principal": principal, "payload": payload,
+    }
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def chain_hash(prev_hash: str, body: bytes) -> str:
+    return hashlib.sha256(prev_hash.encode() + body).hexdigest()
+
+
+class ChainReport(BaseModel):
+    """Result of checking a log: ok, or the first record where it breaks and why."""
+
+    ok: bool
+    records: int
+    problem: str | None = None
+    at_seq: int | None = None
+
+
+def verify_chain(records: list[EvidenceRecord], head: tuple[int, str] | None) -> ChainReport:
+    """Detect any edit, deletion, reordering or truncation of the log.
+
+    `head` is the (seq, hash) the ledger recorded for its last append; without it
+    a truncated tail would look like a shorter, valid log.
+    """
+    prev = GENESIS
+    for expected_seq, r in enumerate(records, start=1):
+        if r.seq != expected_seq:
+            return ChainReport(ok=False, records=len(records), at_seq=r.seq,
+                               problem=f"expected record {expected_seq}, found {r.seq}: deleted or reordered")
+        if r.prev_hash != prev:
+            return ChainReport(ok=False, records=len(records), at_seq=r.seq,
+                               problem="prev_hash does not match the record before: reordered or edited")
+        body = canonical(r.seq, r.ts, r.kind, r.flow_run_id, r.task_run_id, r.principal, r.payload)
+        if chain_hash(prev, body) != r.hash:
+            return ChainReport(ok=False, records=len(records), at_seq=r.seq,
+                               problem="hash does not match the record's content: edited")
+        prev = r.hash
+    last = (records[-1].seq, records[-1].hash) if records else (0, GENESIS)
+    if head is not None and tuple(head) != last:
+        return ChainReport(ok=False, records=len(records), at_seq=head[0],
+                           problem=f"log ends at record {last[0]} but the ledger head says {head[0]}: truncated")
+    return ChainReport(ok=True, records=len(records))

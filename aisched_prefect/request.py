@@ -1,0 +1,65 @@
+"""The immutable request an @ai_task declares: what it needs, what it is, what it will cost."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from aisched_prefect.errors import InvalidAIRequest
+from dask_gpu import GPURequest
+
+_KIND = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+class AIRequest(BaseModel):
+    """What one run of an AI task asks for. Validated once, at decoration time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: str = Field(description="What the task does: training, inference, model-call, ...")
+    gpus: int = Field(default=0, ge=0, le=64, description="Whole GPUs on one worker.")
+    gpu_memory_gb: float | None = Field(default=None, gt=0, description="Memory each device must have.")
+    gpu_type: str | None = Field(default=None, description="Required GPU type (H100, A100, ...); None = any.")
+    model: str | None = Field(default=None, description="Model the task trains or calls.")
+    est_seconds: float = Field(default=0, ge=0, description="Expected runtime; prices the budget hold.")
+    est_tokens: int = Field(default=0, ge=0, description="Expected tokens; prices model calls.")
+    priority: int = Field(default=0, ge=-100, le=100, description="Higher goes first.")
+
+    @field_validator("kind")
+    @classmethod
+    def _kind_is_a_slug(cls, v: str) -> str:
+        if not _KIND.match(v):
+            raise ValueError("use a lowercase slug such as 'training', 'inference' or 'model-call'")
+        return v
+
+    @model_validator(mode="after")
+    def _priceable(self) -> AIRequest:
+        if self.gpus and self.est_seconds <= 0:
+            raise ValueError(
+                "est_seconds must be > 0 for a GPU task: it prices the budget hold (e.g. est_seconds=600)"
+            )
+        if (self.gpu_memory_gb or self.gpu_type) and not self.gpus:
+            raise ValueError("gpu_memory_gb/gpu_type need gpus >= 1")
+        return self
+
+    @classmethod
+    def build(cls, **fields: Any) -> AIRequest:
+        """Validate, turning pydantic's error into one that names each field and its fix."""
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']} (got {e.get('input')!r})"
+                for e in exc.errors()
+            )
+            raise InvalidAIRequest(f"invalid @ai_task request: {problems}") from None
+
+    def gpu_request(self) -> GPURequest:
+        return GPURequest(gpus=self.gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,228 @@
+"""One flow run's admission session: the loaded blocks, the ledger, the Dask client.
+
+The runner opens a session when the flow run enters it and closes it at the
+end; nothing here is shared between flow runs. Every AI task call goes
+through `RunnerSession.run`: feasibility, pricing, authority, approval policy,
+budget hold (+ evidence, one transaction), person approval if asked, Dask with
+resource annotations and a ticket, then settlement (+ evidence, one
+transaction). The Prefect task engine itself stays in the flow process, so the
+worker only sees the user function: no Prefect context is serialized per task.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+from distributed import Client, Future
+
+from aisched_prefect.approvals import ApprovalRequest, Approver, PolicyApprover, PrefectPauseApprover
+from aisched_prefect.config import RunnerConfig
+from aisched_prefect.errors import AdmissionDenied, TicketRejected
+from aisched_prefect.ledger import BudgetExceeded, BudgetLine, Ledger
+from aisched_prefect.report import evidence_rows
+from aisched_prefect.request import AIRequest
+from aisched_prefect.worker import AdmissionTicket, WorkerOutcome, run_admitted
+from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock, RunFacts, UnpriceableRequest, period_key
+from dask_gpu import InfeasibleRequest, LocalGPUCluster, WorkerInventory, cluster_inventories, eligible_workers
+
+logger = logging.getLogger("aisched_prefect")
+
+ARTIFACT_KEY = "aisched-evidence"
+
+
+def _load(value: Any, cls: type, what: str) -> Any:
+    if value is None or isinstance(value, cls):
+        return value
+    try:
+        return cls.load(value)
+    except ValueError as exc:
+        raise AdmissionDenied(
+            "configuration", f"{what} block {value!r} could not be loaded ({exc})",
+            f"create it: {cls.__name__}(...).save({value!r}), or edit the runner's {what}= argument",
+        ) from None
+
+
+class RunnerSession:
+    """Open resources for one flow run; `run` admits and executes one AI task call."""
+
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        self.authority: AuthorityBlock = _load(config.authority, AuthorityBlock, "authority")
+        self.budget: BudgetBlock = _load(config.budget, BudgetBlock, "budget")
+        self.policy: ApprovalPolicyBlock | None = _load(config.approval_policy, ApprovalPolicyBlock, "approval_policy")
+        self.authority_name = config.authority if isinstance(config.authority, str) else "inline"
+        self.budget_name = config.budget if isinstance(config.budget, str) else "inline"
+        self.approver: Approver = (
+            PrefectPauseApprover() if config.approver == "pause"
+            else PolicyApprover() if config.approver == "policy" else config.approver
+        )
+        self.ledger = Ledger(config.ledger_url)
+        self.cluster: LocalGPUCluster | None = None
+        try:
+            if config.address:
+                self.client = Client(config.address, set_as_default=False)
+            else:
+                self.cluster = LocalGPUCluster(declared=config.declared)
+                self.client = Client(self.cluster, set_as_default=False)
+            self.inventories: dict[str, WorkerInventory] = cluster_inventories(self.client)
+        except BaseException:
+            self.close()
+            raise
+        self.flow_run_ids: set[str] = set()
+
+    def close(self) -> None:
+        try:
+            self._publish_artifacts()
+        finally:
+            client = getattr(self, "client", None)
+            if client is not None:
+                client.close()
+            if self.cluster is not None:
+                self.cluster.close()
+            self.ledger.close()
+
+    # -- admission ------------------------------------------------------------------
+    def _placement(self, request: AIRequest) -> list[str]:
+        gpu_request = request.gpu_request()
+        try:
+            return eligible_workers(gpu_request, self.inventories)
+        except InfeasibleRequest:
+            self.inventories = cluster_inventories(self.client)  # workers may have joined
+            return eligible_workers(gpu_request, self.inventories)
+
+    def _deny(self, stage: str, reason: str, fix: str, payload: dict[str, Any], ids: dict[str, Any]) -> AdmissionDenied:
+        self.ledger.record("denial", {**payload, "stage": stage, "reason": reason, "fix": fix}, **ids)
+        return AdmissionDenied(stage, reason, fix)
+
+    def run(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
+            *, task_name: str, task_run_id: str, flow_run_id: str) -> Any:
+        self.flow_run_ids.add(flow_run_id)
+        ids = {"flow_run_id": flow_run_id, "task_run_id": task_run_id, "principal": self.config.principal}
+        payload: dict[str, Any] = {
+            "task": task_name, "request": request.model_dump(), "authority": self.authority_name,
+            "budget": self.budget_name, "policy": self.config.approval_policy if isinstance(self.config.approval_policy, str) else None,
+        }
+        gpu_request = request.gpu_request()
+        try:
+            workers = self._placement(request)
+        except InfeasibleRequest as exc:
+            raise self._deny("feasibility", str(exc), "ask for what some worker has, or add such a worker", payload, ids) from None
+        types = sorted({d.gpu_type for w in workers for d in self.inventories[w].devices if gpu_request.device_fits(d)})
+        try:
+            estimate = self.budget.estimate(request.gpus, request.est_seconds, types, request.est_tokens, request.model)
+        except UnpriceableRequest as exc:
+            raise self._deny("pricing", str(exc), f"add the price to BudgetBlock {self.budget_name!r}", payload, ids) from None
+        payload["estimate"] = estimate.model_dump()
+        facts = RunFacts(
+            principal=self.config.principal, kind=request.kind, model=request.model, gpus=request.gpus,
+            gpu_type=request.gpu_type or (types[0] if len(types) == 1 else None),
+            est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount,
+        )
+        decision = self.authority.authorize(facts)
+        if decision.grant is None:
+            raise self._deny(
+                "authority", "; ".join(decision.reasons),
+                f"add or widen a grant for {self.config.principal!r} in AuthorityBlock {self.authority_name!r}",
+                payload, ids,
+            ) from None
+        payload["grant"] = decision.grant.id
+        outcome = self.policy.evaluate(facts) if self.policy else None
+        payload["approval_rule"] = outcome.rule if outcome else None
+        if outcome is not None and outcome.action == "deny":
+            raise self._deny("approval", f"approval policy rule {outcome.rule!r} denies this run",
+                             "change the request or the rule in the ApprovalPolicyBlock", payload, ids)
+        asking = outcome is not None and outcome.action == "ask"
+        lines = [BudgetLine(budget=self.budget_name, period=period_key(self.budget.period), limit=self.budget.limit)]
+        try:
+            held, record = self.ledger.reserve(
+                lines, estimate.amount, kind="approval-requested" if asking else "admission",
+                payload={**payload, "approval": "pending" if asking else "not required"}, **ids,
+            )
+        except BudgetExceeded as exc:
+            raise self._deny("budget", str(exc), f"raise the limit of BudgetBlock {self.budget_name!r} or lower est_seconds/gpus",
+                             payload, ids) from None
+        hold_ids = [h.id for h in held]
+        if asking:
+            assert outcome is not None
+            ask = ApprovalRequest(
+                flow_run_id=flow_run_id, task_run_id=task_run_id, task_name=task_name,
+                principal=self.config.principal, grant_id=decision.grant.id, request=request.model_dump(),
+                est_cost=estimate.amount, currency=self.budget.currency,
+                remaining_budget=min(h.remaining_after for h in held), rule=outcome.rule,
+                timeout_seconds=outcome.timeout_seconds,
+            )
+            try:
+                verdict = self.approver.decide(ask)
+            except BaseException:
+                self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, **ids)
+                raise
+            if not verdict.approved:
+                self.ledger.settle(hold_ids, None, kind="approval",
+                                   payload={**payload, **verdict.model_dump(), "outcome": "rejected"}, **ids)
+                raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
+                                      "ask an approver again, or change the request")
+            self.ledger.record("approval", {**payload, **verdict.model_dump()}, **ids)
+            record = self.ledger.record("admission", {**payload, "approval": verdict.approver, "holds": [h.model_dump() for h in held]}, **ids)
+        ticket = AdmissionTicket(
+            admission_seq=record.seq, task_run_id=task_run_id, request_digest=request.digest(),
+            grant_id=decision.grant.id, expires_at=time.time() + self.config.ticket_ttl_seconds,
+        )
+        return self._execute(fn, request, args, kwargs, ticket, workers, hold_ids, estimate.amount, payload, ids, task_name)
+
+    # -- execution and settlement ---------------------------------------------------
+    def _execute(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 ticket: AdmissionTicket, workers: list[str], hold_ids: list[str], reserved: float, payload: dict[str, Any],
+                 ids: dict[str, Any], task_name: str) -> Any:
+        gpu_workers = [a for a, inv in self.inventories.items() if inv.devices] if request.gpus else list(self.inventories)
+        future: Future = self.client.submit(
+            run_admitted, ticket, request, fn, args, kwargs,
+            key=f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}",
+            resources=request.gpu_request().resources() or None,
+            workers=workers if set(workers) != set(gpu_workers) else None,
+            allow_other_workers=False, pure=False,
+        )
+        try:
+            out: WorkerOutcome = future.result()
+        except TicketRejected as exc:
+            self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "ticket-rejected", "error": str(exc)}, **ids)
+            raise
+        except BaseException as exc:  # worker died, cancelled, interrupted: outcome unknown, charge the hold
+            self.ledger.settle(hold_ids, reserved, kind="settlement",
+                               payload={**payload, "outcome": "lost", "error": f"{type(exc).__name__}: {exc}"}, **ids)
+            raise
+        finally:
+            future.release()
+        run = out.run
+        actual = self.budget.actual_cost(request.gpus, run.seconds, run.gpu_type, request.est_tokens, request.model)
+        self.ledger.settle(hold_ids, actual, kind="settlement", payload={
+            **payload, "outcome": "completed" if out.ok else "failed",
+            "error": None if out.ok else f"{type(out.error).__name__}: {out.error}",
+            "placement": {"worker": run.worker, "host": run.host, "devices": run.device_indices,
+                          "gpu_type": run.gpu_type, "source": run.source},
+            "seconds": run.seconds, "gpu_seconds": run.seconds * len(run.devices),
+        }, **ids)
+        if not out.ok:
+            assert out.error is not None
+            logger.error("AI task %s failed on %s devices %s:\n%s", task_name, run.worker, run.device_indices, out.error_text)
+            raise out.error
+        return out.value
+
+    # -- evidence artifact ----------------------------------------------------------
+    def _publish_artifacts(self) -> None:
+        if not getattr(self, "flow_run_ids", None):
+            return
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        with get_client(sync_client=True) as client:
+            for flow_run_id in sorted(self.flow_run_ids):
+                rows = evidence_rows(self.ledger.records(flow_run_id))
+                client.create_artifact(ArtifactCreate(
+                    key=ARTIFACT_KEY, type="table", data=rows, flow_run_id=UUID(flow_run_id),
+                    description="AI task runs admitted, denied and settled by aisched-prefect in this flow run.",
+                ))

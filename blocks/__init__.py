@@ -1,0 +1,22 @@
+"""Prefect Blocks an operator edits in the UI, with pure checks on their data."""
+
+from blocks.approval import ApprovalOutcome, ApprovalPolicyBlock, ApprovalRule, evaluate
+from blocks.authority import AuthorityBlock, AuthorityDecision, Grant, authorize
+from blocks.budget import BudgetBlock, CostEstimate, UnpriceableRequest, period_key
+from blocks.facts import RunFacts
+
+__all__ = [
+    "ApprovalOutcome",
+    "ApprovalPolicyBlock",
+    "ApprovalRule",
+    "AuthorityBlock",
+    "AuthorityDecision",
+    "BudgetBlock",
+    "CostEstimate",
+    "Grant",
+    "RunFacts",
+    "UnpriceableRequest",
+    "authorize",
+    "evaluate",
+    "period_key",
+]

@@ -1,0 +1,114 @@
+"""Who may run what: root grants an operator edits in the Prefect UI, and the pure check."""
+
+from __future__ import annotations
+
+import fnmatch
+from datetime import datetime, timezone
+from typing import ClassVar
+
+from prefect.blocks.core import Block
+from pydantic import BaseModel, ConfigDict, Field
+
+from blocks.facts import RunFacts
+
+ANY = "*"
+
+
+class Grant(BaseModel):
+    """Authority for one principal (or a glob of them) over a bounded kind of work."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(description="A stable name for this grant, recorded in the evidence of every run it authorizes.")
+    principal: str = Field(description="Principal this grant is for; a glob such as 'team-a/*' covers several.")
+    kinds: list[str] = Field(default_factory=lambda: [ANY], description="Task kinds allowed ('training', 'inference', 'model-call', ...); '*' allows any.")
+    models: list[str] = Field(default_factory=lambda: [ANY], description="Models allowed; '*' allows any.")
+    gpu_types: list[str] = Field(default_factory=lambda: [ANY], description="GPU types allowed; '*' allows any.")
+    max_gpus: int = Field(default=0, ge=0, description="Most GPUs one run may hold.")
+    max_cost_per_run: float = Field(default=0.0, ge=0, description="Most estimated cost one run may have, in the budget's currency.")
+    expires_at: datetime | None = Field(default=None, description="After this instant the grant authorizes nothing.")
+    revoked: bool = Field(default=False, description="A revoked grant authorizes nothing.")
+
+    def covers_principal(self, principal: str) -> bool:
+        return fnmatch.fnmatchcase(principal, self.principal)
+
+    def refusal(self, facts: RunFacts, now: datetime | None = None) -> str | None:
+        """Why this grant does not cover `facts`, or None when it does."""
+        now = now or datetime.now(timezone.utc)
+        if self.revoked:
+            return f"grant {self.id!r} is revoked"
+        if self.expires_at is not None:
+            expires = self.expires_at if self.expires_at.tzinfo else self.expires_at.replace(tzinfo=timezone.utc)
+            if now >= expires:
+                return f"grant {self.id!r} expired at {expires.isoformat()}"
+        if not _allowed(facts.kind, self.kinds):
+            return f"grant {self.id!r} allows kinds {self.kinds}, not kind={facts.kind!r}"
+        if facts.model is not None and not _allowed(facts.model, self.models):
+            return f"grant {self.id!r} allows models {self.models}, not model={facts.model!r}"
+        if facts.gpus and facts.gpu_type is not None and not _allowed(facts.gpu_type, self.gpu_types):
+            return f"grant {self.id!r} allows GPU types {self.gpu_types}, not gpu_type={facts.gpu_type!r}"
+        if facts.gpus and facts.gpu_type is None and ANY not in self.gpu_types:
+            return f"grant {self.id!r} allows only GPU types {self.gpu_types}: set gpu_type= on the task"
+        if facts.gpus > self.max_gpus:
+            return f"grant {self.id!r} allows at most max_gpus={self.max_gpus}, not gpus={facts.gpus}"
+        if facts.est_cost is not None and facts.est_cost > self.max_cost_per_run:
+            return (
+                f"grant {self.id!r} allows at most max_cost_per_run={self.max_cost_per_run:g}, "
+                f"not an estimated {facts.est_cost:.4f}"
+            )
+        return None
+
+
+def _allowed(value: str, allowed: list[str]) -> bool:
+    return ANY in allowed or value.lower() in {a.lower() for a in allowed}
+
+
+class AuthorityDecision(BaseModel):
+    """The grant that authorized a run, or why none did."""
+
+    model_config = ConfigDict(frozen=True)
+
+    grant: Grant | None
+    reasons: list[str] = Field(default_factory=list)
+
+    @property
+    def allowed(self) -> bool:
+        return self.grant is not None
+
+
+def authorize(grants: list[Grant], facts: RunFacts, now: datetime | None = None) -> AuthorityDecision:
+    """The first grant for this principal that covers the run; otherwise every refusal."""
+    mine = [g for g in grants if g.covers_principal(facts.principal)]
+    if not mine:
+        return AuthorityDecision(grant=None, reasons=[f"principal {facts.principal!r} holds no grant"])
+    reasons = []
+    for g in mine:
+        why = g.refusal(facts, now)
+        if why is None:
+            return AuthorityDecision(grant=g)
+        reasons.append(why)
+    return AuthorityDecision(grant=None, reasons=reasons)
+
+
+class AuthorityBlock(Block):
+    """Root grants of one tenant: who may run which AI work, on what, up to what cost."""
+
+    _block_type_name: ClassVar[str] = "AI Authority"
+    _block_type_slug: ClassVar[str] = "aisched-authority"
+    _logo_url = None
+    _description: ClassVar[str] = "Root grants that authorize AI task runs scheduled by aisched-prefect."
+    _documentation_url = "https://github.com/aisched/aisched-prefect#authority"
+    _code_example: ClassVar[str] = '''
+```python
+from blocks import AuthorityBlock, Grant
+
+authority = AuthorityBlock(grants=[Grant(id="team-a-root", principal="team-a/*", max_gpus=4, max_cost_per_run=50)])
+authority.save("team-a", overwrite=True)
+authority = AuthorityBlock.load("BLOCK_NAME")
+```
+'''
+
+    grants: list[Grant] = Field(default_factory=list, description="Root grants; a run is authorized by the first grant for its principal that covers it.")
+
+    def authorize(self, facts: RunFacts, now: datetime | None = None) -> AuthorityDecision:
+        return authorize(self.grants, facts, now)

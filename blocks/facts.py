@@ -1,0 +1,20 @@
+"""The facts about one run that the pure checks of this package look at."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RunFacts(BaseModel):
+    """What a run asks for, as an authority, budget or approval check sees it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    principal: str
+    kind: str
+    model: str | None = None
+    gpus: int = Field(default=0, ge=0)
+    gpu_type: str | None = None
+    est_seconds: float = Field(default=0, ge=0)
+    est_tokens: int = Field(default=0, ge=0)
+    est_cost: float | None = Field(default=None, ge=0)

@@ -1,0 +1,55 @@
+"""GPU-aware Dask: inventories, GPU workers, device assignment. No Prefect needed."""
+
+from dask_gpu.cluster import LocalGPUCluster, cluster_inventories
+from dask_gpu.errors import (
+    DaskGPUError,
+    DeviceUnavailable,
+    InfeasibleRequest,
+    InventorySpecError,
+    NotOnGPUWorker,
+)
+from dask_gpu.execute import (
+    DeviceRun,
+    current_devices,
+    gpu_env,
+    hold_devices,
+    run_subprocess,
+    run_with_devices,
+    submit,
+)
+from dask_gpu.inventory import (
+    DECLARED_ENV,
+    GPUDevice,
+    WorkerInventory,
+    declared_worker_inventories,
+    discover,
+    nvml_inventory,
+    parse_declared,
+)
+from dask_gpu.request import GPURequest, eligible_workers
+
+__all__ = [
+    "DECLARED_ENV",
+    "DaskGPUError",
+    "DeviceRun",
+    "DeviceUnavailable",
+    "GPUDevice",
+    "GPURequest",
+    "InfeasibleRequest",
+    "InventorySpecError",
+    "LocalGPUCluster",
+    "NotOnGPUWorker",
+    "WorkerInventory",
+    "cluster_inventories",
+    "current_devices",
+    "declared_worker_inventories",
+    "discover",
+    "eligible_workers",
+    "gpu_env",
+    "hold_devices",
+    "nvml_inventory",
+    "parse_declared",
+    "run_subprocess",
+    "run_with_devices",
+    "submit",
+]

@@ -1,0 +1,71 @@
+"""A local Dask cluster of GPU-aware worker processes, and reading a cluster's inventory."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+from dask_gpu.inventory import DECLARED_ENV, WorkerInventory, parse_declared
+from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
+
+PRELOAD = "dask_gpu.preload"
+
+
+class LocalGPUCluster(SpecCluster):
+    """Worker processes on this host that advertise GPUs as Dask resources.
+
+    With `declared` (or DASK_GPU_DECLARED) each declared worker becomes one
+    process that advertises its declared devices; otherwise a single worker owns
+    every device NVML finds (none, on a machine without GPUs). Either way the
+    worker runs `dask_gpu.preload`, exactly as a remote `dask worker` would.
+    """
+
+    def __init__(
+        self,
+        declared: str | None = None,
+        threads_per_worker: int | None = None,
+        host: str = "127.0.0.1",
+        silence_logs: int | bool = logging.WARNING,
+        **kwargs: Any,
+    ) -> None:
+        spec = declared if declared is not None else os.environ.get(DECLARED_ENV)
+        # Per worker: (DASK_GPU_DECLARED for that process or None for NVML, device count).
+        plan: list[tuple[str | None, int]] = (
+            [(g.spec(), g.gpus) for g in parse_declared(spec) for _ in range(g.workers)]
+            if spec
+            else [(None, 0)]
+        )
+        workers: dict[str, dict[str, Any]] = {}
+        for i, (worker_spec, gpus) in enumerate(plan):
+            env = {DECLARED_ENV: worker_spec} if worker_spec else {}
+            workers[f"gpu-worker-{i}"] = {
+                "cls": Nanny,
+                "options": {
+                    "nthreads": threads_per_worker or max(2, gpus + 1),
+                    "host": host,
+                    "preload": [PRELOAD],
+                    "env": env,
+                    "silence_logs": silence_logs,
+                    "dashboard": False,
+                },
+            }
+        scheduler = {
+            "cls": Scheduler,
+            "options": {"host": host, "dashboard": False, "dashboard_address": None},
+        }
+        super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs, **kwargs)
+
+
+def _worker_inventory(dask_worker: Any) -> dict[str, Any]:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    inv = plugin.inventory if isinstance(plugin, GPUWorkerPlugin) else WorkerInventory(source="none")
+    return inv.model_dump(mode="json")
+
+
+def cluster_inventories(client: Client) -> dict[str, WorkerInventory]:
+    """Worker address -> inventory, for every worker connected now (one round trip)."""
+    raw = client.run(_worker_inventory)
+    return {addr: WorkerInventory.model_validate(inv) for addr, inv in raw.items()}

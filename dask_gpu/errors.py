@@ -1,0 +1,23 @@
+"""Named errors of the resource layer; each message says what to change."""
+
+from __future__ import annotations
+
+
+class DaskGPUError(Exception):
+    """Base class for every error raised by dask_gpu."""
+
+
+class InventorySpecError(DaskGPUError, ValueError):
+    """A declared GPU inventory could not be parsed."""
+
+
+class InfeasibleRequest(DaskGPUError):
+    """No worker of the cluster could ever hold this request."""
+
+
+class DeviceUnavailable(DaskGPUError):
+    """A worker could not give a task the devices Dask admitted it for."""
+
+
+class NotOnGPUWorker(DaskGPUError):
+    """Code that needs a GPU-aware worker ran somewhere else."""

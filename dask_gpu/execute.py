@@ -1,0 +1,150 @@
+"""Running a function on the devices a worker assigned to it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from distributed import get_worker
+from distributed.worker import thread_state
+from pydantic import BaseModel, ConfigDict
+
+from dask_gpu.errors import NotOnGPUWorker
+from dask_gpu.inventory import GPUDevice
+from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
+from dask_gpu.request import GPURequest
+
+_current_devices: ContextVar[tuple[GPUDevice, ...] | None] = ContextVar(
+    "dask_gpu_current_devices", default=None
+)
+
+DEVICE_WAIT_SECONDS = 30.0
+
+
+class DeviceRun(BaseModel):
+    """Where and how long a function ran: the placement half of the evidence."""
+
+    model_config = ConfigDict(frozen=True)
+
+    worker: str
+    host: str
+    devices: tuple[GPUDevice, ...] = ()
+    started_at: float
+    seconds: float
+    source: str = "none"
+
+    @property
+    def device_indices(self) -> list[int]:
+        return [d.index for d in self.devices]
+
+    @property
+    def gpu_type(self) -> str | None:
+        return self.devices[0].gpu_type if self.devices else None
+
+
+def current_devices() -> tuple[GPUDevice, ...]:
+    """The devices held by the task running in this thread."""
+    devices = _current_devices.get()
+    if devices is None:
+        raise NotOnGPUWorker(
+            "current_devices() was called outside a GPU task: call it inside a function "
+            "submitted through dask_gpu.submit or an @ai_task"
+        )
+    return devices
+
+
+def gpu_env(devices: Sequence[GPUDevice] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a subprocess that must see exactly `devices` (default: the current ones)."""
+    devices = current_devices() if devices is None else devices
+    env = dict(os.environ if base is None else base)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers devices as NVML does
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in devices)
+    return env
+
+
+def run_subprocess(args: Sequence[str] | str, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    """`subprocess.run` with CUDA_VISIBLE_DEVICES set to this task's devices."""
+    kwargs["env"] = gpu_env(base=kwargs.get("env"))
+    return subprocess.run(args, **kwargs)
+
+
+def _plugin() -> tuple[str, GPUWorkerPlugin | None]:
+    try:
+        worker = get_worker()
+    except ValueError as exc:
+        raise NotOnGPUWorker("run_with_devices must run on a Dask worker") from exc
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    return worker.address, plugin if isinstance(plugin, GPUWorkerPlugin) else None
+
+
+class DeviceLease:
+    """The devices one call holds; `run` describes the call once it has ended."""
+
+    def __init__(self, address: str, plugin: GPUWorkerPlugin | None, devices: tuple[GPUDevice, ...]) -> None:
+        self.address = address
+        self.plugin = plugin
+        self.devices = devices
+        self.started_at = time.time()
+        self._t0 = time.perf_counter()
+        self.seconds: float | None = None
+
+    def run(self) -> DeviceRun:
+        seconds = self.seconds if self.seconds is not None else time.perf_counter() - self._t0
+        return DeviceRun(
+            worker=self.address,
+            host=self.plugin.inventory.host if self.plugin else "",
+            devices=self.devices,
+            started_at=self.started_at,
+            seconds=seconds,
+            source=self.plugin.inventory.source if self.plugin else "none",
+        )
+
+
+@contextmanager
+def hold_devices(request: GPURequest) -> Iterator[DeviceLease]:
+    """Hold the devices `request` needs on this worker for the block; release them however it ends."""
+    address, plugin = _plugin()
+    if request.gpus and plugin is None:
+        raise NotOnGPUWorker(
+            f"worker {address} is not GPU-aware: start it with `--preload dask_gpu.preload`"
+        )
+    key = str(getattr(thread_state, "key", None) or f"call-{threading.get_ident()}-{time.monotonic_ns()}")
+    devices: tuple[GPUDevice, ...] = ()
+    if request.gpus and plugin is not None:
+        devices = plugin.allocator.acquire(key, request, timeout=DEVICE_WAIT_SECONDS)
+    lease = DeviceLease(address, plugin, devices)
+    token = _current_devices.set(devices)
+    try:
+        yield lease
+    finally:
+        lease.seconds = time.perf_counter() - lease._t0
+        _current_devices.reset(token)
+        if devices and plugin is not None:
+            plugin.allocator.release(key)
+
+
+def run_with_devices(
+    fn: Callable[..., Any],
+    request: GPURequest,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[Any, DeviceRun]:
+    """Call `fn` on the devices `request` needs; return its result and where it ran."""
+    with hold_devices(request) as lease:
+        result = fn(*args, **(kwargs or {}))
+    return result, lease.run()
+
+
+def _call(fn: Callable[..., Any], request: GPURequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return run_with_devices(fn, request, args, kwargs)[0]
+
+
+def submit(client: Any, fn: Callable[..., Any], *args: Any, request: GPURequest, **kwargs: Any) -> Any:
+    """Plain-Dask entry point: `client.submit` that places by GPUs and assigns devices."""
+    return client.submit(_call, fn, request, args, kwargs, resources=request.resources() or None, pure=False)

@@ -1,0 +1,28 @@
+"""The worker plugin that owns a worker's inventory and its device allocator."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from dask_gpu.allocator import DeviceAllocator
+from dask_gpu.inventory import WorkerInventory
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+PLUGIN_NAME = "dask-gpu"
+
+
+class GPUWorkerPlugin(WorkerPlugin):
+    """Installed on each GPU-aware worker by `dask_gpu.preload`."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self, inventory: WorkerInventory) -> None:
+        self.inventory = inventory
+        self.allocator = DeviceAllocator(inventory.devices)
+
+    def setup(self, worker: Worker) -> None:
+        self.worker_address = worker.address

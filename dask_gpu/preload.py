@@ -1,0 +1,24 @@
+"""Dask preload that makes any worker GPU-aware: `dask worker ADDR --preload dask_gpu.preload`.
+
+It discovers this worker's GPUs (the inventory declared in DASK_GPU_DECLARED,
+else NVML), advertises them as worker resources before the worker registers
+with the scheduler, and installs the device-assigning plugin. LocalGPUCluster
+starts its workers with this same preload.
+"""
+
+from __future__ import annotations
+
+from distributed import Worker
+
+from dask_gpu.inventory import discover
+from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
+
+
+async def dask_setup(worker: Worker) -> None:
+    inventory = discover()
+    for name, quantity in inventory.resources().items():
+        # Runs before registration: the scheduler learns these with the worker.
+        held = worker.state.total_resources.get(name, 0.0) - worker.state.available_resources.get(name, 0.0)
+        worker.state.total_resources[name] = quantity
+        worker.state.available_resources[name] = quantity - held
+    await worker.plugin_add(GPUWorkerPlugin(inventory), name=PLUGIN_NAME)

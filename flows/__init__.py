@@ -1,0 +1,1 @@
+"""Example flows people copy."""
