@@ -1,0 +1,84 @@
+"""Real Dask worker processes advertising declared GPUs; no Prefect involved."""
+
+import time
+
+import pytest
+
+import dask_gpu
+from dask_gpu import GPURequest, InfeasibleRequest, cluster_inventories, eligible_workers
+
+
+def record_devices(hold: float):
+    from distributed import get_worker
+
+    start = time.time()
+    devices = [d.index for d in dask_gpu.current_devices()]
+    env = dask_gpu.gpu_env()
+    time.sleep(hold)
+    return {"worker": get_worker().address, "devices": devices, "start": start, "end": time.time(),
+            "types": [d.gpu_type for d in dask_gpu.current_devices()], "cvd": env["CUDA_VISIBLE_DEVICES"]}
+
+
+def test_workers_advertise_gpus_as_resources(dask_client):
+    info = dask_client.scheduler_info()["workers"]
+    resources = sorted((w["resources"]["GPU"], w["resources"].get("GPU-H100", 0), w["resources"].get("GPU-A10", 0))
+                       for w in info.values())
+    assert resources == [(1.0, 0, 1.0), (2.0, 2.0, 0), (2.0, 2.0, 0)]
+    invs = cluster_inventories(dask_client)
+    assert sorted(inv.describe() for inv in invs.values()) == ["1 x A10 24 GB", "2 x H100 80 GB", "2 x H100 80 GB"]
+
+
+def test_concurrent_tasks_never_share_a_device(dask_client):
+    futures = [dask_gpu.submit(dask_client, record_devices, 0.2, request=GPURequest(gpus=1 + (i % 3 == 0), gpu_type="H100"))
+               for i in range(16)]
+    runs = dask_client.gather(futures)
+    for r in runs:
+        assert r["types"] == ["H100"] * len(r["devices"])
+        assert r["cvd"] == ",".join(map(str, r["devices"]))
+    spans = [(r["worker"], d, r["start"], r["end"]) for r in runs for d in r["devices"]]
+    for i, (w1, d1, s1, e1) in enumerate(spans):
+        for w2, d2, s2, e2 in spans[i + 1:]:
+            if w1 == w2 and d1 == d2:
+                assert e1 <= s2 or e2 <= s1, f"device {d1} of {w1} held by two tasks at once"
+
+
+def test_gpu_type_and_count_are_honoured(dask_client):
+    a10 = dask_client.gather(dask_gpu.submit(dask_client, record_devices, 0, request=GPURequest(gpus=1, gpu_type="A10")))
+    assert a10["types"] == ["A10"]
+    two = dask_client.gather(dask_gpu.submit(dask_client, record_devices, 0, request=GPURequest(gpus=2)))
+    assert two["types"] == ["H100", "H100"] and two["devices"] == [0, 1]
+
+
+def test_infeasible_request_fails_fast(dask_client):
+    t0 = time.perf_counter()
+    with pytest.raises(InfeasibleRequest, match="largest worker .* has 2 x H100 80 GB"):
+        eligible_workers(GPURequest(gpus=4), cluster_inventories(dask_client))
+    with pytest.raises(InfeasibleRequest, match="gpu_memory_gb=100"):
+        eligible_workers(GPURequest(gpus=1, gpu_memory_gb=100), cluster_inventories(dask_client))
+    assert time.perf_counter() - t0 < 5
+
+
+def test_devices_are_released_when_the_task_raises(dask_client):
+    def boom():
+        raise RuntimeError("boom")
+
+    for _ in range(3):  # the A10 worker has one device: a leak would make the next wait and fail
+        with pytest.raises(RuntimeError, match="boom"):
+            dask_client.gather(dask_gpu.submit(dask_client, boom, request=GPURequest(gpus=1, gpu_type="A10")))
+    ok = dask_client.gather(dask_gpu.submit(dask_client, record_devices, 0, request=GPURequest(gpus=1, gpu_type="A10")))
+    assert ok["devices"] == [0]
+
+
+def test_current_devices_outside_a_gpu_task_is_a_clear_error():
+    with pytest.raises(dask_gpu.NotOnGPUWorker, match="outside a GPU task"):
+        dask_gpu.current_devices()
+
+
+def test_run_subprocess_sees_exactly_its_devices(dask_client):
+    def child():
+        import sys
+
+        return dask_gpu.run_subprocess([sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
+                                       capture_output=True, text=True, check=True).stdout.strip()
+
+    assert dask_client.gather(dask_gpu.submit(dask_client, child, request=GPURequest(gpus=2))) == "0,1"
