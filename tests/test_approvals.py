@@ -1,0 +1,105 @@
+"""A real flow pauses for approval and is resumed through the Prefect API, as the UI does."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+from prefect.flow_runs import resume_flow_run
+
+from aisched_prefect import AdmissionDenied, Ledger, ai_task
+from tests.helpers import ask_for_training, runner
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+@ai_task(gpus=1, gpu_type="H100", kind="training", est_seconds=30)
+def finetune():
+    return "trained"
+
+
+def run_paused_flow(address: str, ledger_url: str, answer: dict | None, timeout: int = 60):
+    name = f"approval-{uuid.uuid4().hex[:8]}"
+
+    @flow(name=name, task_runner=runner(address, ledger_url, approval_policy=ask_for_training(timeout)))
+    def gated():
+        try:
+            return finetune()
+        except AdmissionDenied as exc:
+            return f"denied: {exc}"
+
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(gated()))
+    thread.start()
+    flow_run_id = None
+    deadline = time.time() + 60
+    with get_client(sync_client=True) as client:
+        while time.time() < deadline and answer is not None:
+            runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])))
+            if runs and runs[0].state and runs[0].state.is_paused():
+                flow_run_id = runs[0].id
+                break
+            time.sleep(0.2)
+    if answer is not None:
+        assert flow_run_id is not None, "the flow run never paused for approval"
+        for _ in range(50):  # the input schema is saved just after the Paused state
+            try:
+                resume_flow_run(flow_run_id, run_input=answer)
+                break
+            except Exception:
+                time.sleep(0.2)
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    return result[0]
+
+
+def test_paused_run_approved_through_the_api(gpu_cluster, sqlite_url):
+    out = run_paused_flow(gpu_cluster.scheduler_address, sqlite_url,
+                          {"approve": True, "approver": "alice", "reason": "nightly retrain"})
+    assert out == "trained"
+    ledger = Ledger(sqlite_url)
+    kinds = [r.kind for r in ledger.records()]
+    assert kinds == ["approval-requested", "approval", "admission", "settlement"]
+    approval = ledger.records()[1]
+    assert approval.payload["approver"] == "alice" and approval.payload["approved"] is True
+    assert approval.payload["approval_rule"] == "training-needs-a-person"
+    assert ledger.verify().ok
+
+
+def test_paused_run_rejected_through_the_api(gpu_cluster, sqlite_url):
+    out = run_paused_flow(gpu_cluster.scheduler_address, sqlite_url,
+                          {"approve": False, "approver": "bob", "reason": "too expensive"})
+    assert out.startswith("denied: denied at approval: bob rejected the run: too expensive")
+    ledger = Ledger(sqlite_url)
+    assert [r.kind for r in ledger.records()] == ["approval-requested", "approval"]
+    assert ledger.accounts()[0]["pending"] == 0 and ledger.accounts()[0]["posted"] == 0  # hold voided
+
+
+def test_requester_cannot_approve_its_own_run(gpu_cluster, sqlite_url):
+    out = run_paused_flow(gpu_cluster.scheduler_address, sqlite_url,
+                          {"approve": True, "approver": "team-a/nightly", "reason": "me"})
+    assert "cannot approve its own run" in out
+
+
+def test_silence_past_the_timeout_denies(gpu_cluster, sqlite_url):
+    out = run_paused_flow(gpu_cluster.scheduler_address, sqlite_url, None, timeout=3)
+    assert "denied at approval" in out and "silence denies" in out
+    assert Ledger(sqlite_url).accounts()[0]["pending"] == 0
+
+
+def test_policy_approver_decides_without_a_person(gpu_cluster, sqlite_url):
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, approval_policy=ask_for_training(),
+                             approver="policy"))
+    def f():
+        try:
+            finetune()
+        except AdmissionDenied as exc:
+            return exc.stage
+    assert f() == "approval"
+    approval = Ledger(sqlite_url).records()[-1]
+    assert approval.payload["channel"] == "policy" and approval.payload["approved"] is False

@@ -1,0 +1,106 @@
+"""The ledger on SQLite and Postgres: holds, settlement, and the evidence chain."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import sqlalchemy as sa
+
+from aisched_prefect import Ledger
+from aisched_prefect.ledger import BudgetExceeded, BudgetLine, evidence
+
+IDS = {"flow_run_id": "f", "task_run_id": "t", "principal": "team-a/x"}
+
+
+def line(limit: float = 1.0) -> BudgetLine:
+    return BudgetLine(budget="team-a", period="2026-11", limit=limit)
+
+
+def test_reserve_settle_exactly_once(ledger_url):
+    ledger = Ledger(ledger_url)
+    (hold,), rec = ledger.reserve([line()], 0.4, kind="admission", payload={"x": 1}, **IDS)
+    assert hold.remaining_before == 1.0 and hold.remaining_after == pytest.approx(0.6)
+    (s,), rec2 = ledger.settle([hold.id], 0.25, kind="settlement", payload={}, **IDS)
+    assert s.first and s.charged == 0.25 and s.released == pytest.approx(0.15)
+    (again,), none = ledger.settle([hold.id], 0.25, kind="settlement", payload={}, **IDS)
+    assert not again.first and none is None  # idempotent: no second charge, no second record
+    assert ledger.account("team-a", "2026-11") == {"limit": 1.0, "pending": 0.0, "posted": 0.25, "remaining": 0.75}
+    assert [r.kind for r in ledger.records()] == ["admission", "settlement"]
+
+
+def test_hold_past_the_limit_is_refused_and_records_nothing(ledger_url):
+    ledger = Ledger(ledger_url)
+    ledger.reserve([line()], 0.7, kind="admission", payload={}, **IDS)
+    with pytest.raises(BudgetExceeded, match="0.3000 left of 1.00"):
+        ledger.reserve([line()], 0.4, kind="admission", payload={}, **IDS)
+    assert len(ledger.records()) == 1
+
+
+def test_charge_above_the_hold_never_passes_the_limit(ledger_url):
+    ledger = Ledger(ledger_url)
+    (hold,), _ = ledger.reserve([line()], 0.5, kind="admission", payload={}, **IDS)
+    ledger.reserve([line()], 0.3, kind="admission", payload={}, **IDS)
+    (s,), _ = ledger.settle([hold.id], 0.9, kind="settlement", payload={}, **IDS)
+    assert s.charged == pytest.approx(0.7) and s.uncovered == pytest.approx(0.2)
+    acct = ledger.account("team-a", "2026-11")
+    assert acct["posted"] + acct["pending"] <= acct["limit"]
+
+
+def test_concurrent_reservations_never_overspend(ledger_url):
+    ledger = Ledger(ledger_url)
+    won, lost = [], []
+
+    def worker():
+        for _ in range(10):
+            try:
+                ledger.reserve([line(1.0)], 0.07, kind="admission", payload={}, **IDS)
+                won.append(1)
+            except BudgetExceeded:
+                lost.append(1)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 14 and len(lost) == 66  # floor(1.0 / 0.07) holds fit, exactly
+    acct = ledger.account("team-a", "2026-11")
+    assert acct["pending"] == pytest.approx(0.98) and ledger.verify().ok
+    assert ledger.verify().records == 14
+
+
+def _tamper(ledger: Ledger, sql: str) -> None:
+    with ledger.engine.begin() as conn:
+        conn.execute(sa.text(sql))
+
+
+@pytest.mark.parametrize(
+    "sql, problem",
+    [
+        ("UPDATE aisched_evidence SET principal = 'mallory' WHERE seq = 2", "edited"),
+        ("DELETE FROM aisched_evidence WHERE seq = 2", "deleted or reordered"),
+        ("DELETE FROM aisched_evidence WHERE seq = 3", "truncated"),
+        ("UPDATE aisched_evidence SET seq = CASE seq WHEN 1 THEN 2 ELSE 1 END WHERE seq IN (1, 2)", "reordered"),
+    ],
+)
+def test_any_tampering_with_the_log_is_detected(ledger_url, sql, problem):
+    ledger = Ledger(ledger_url)
+    for i in range(3):
+        ledger.record("admission", {"i": i}, **IDS)
+    assert ledger.verify().ok
+    if "CASE" in sql:  # swap two records' positions without a unique-key clash
+        _tamper(ledger, "UPDATE aisched_evidence SET seq = seq + 100 WHERE seq IN (1, 2)")
+        sql = "UPDATE aisched_evidence SET seq = CASE seq WHEN 101 THEN 2 ELSE 1 END WHERE seq IN (101, 102)"
+    _tamper(ledger, sql)
+    report = ledger.verify()
+    assert not report.ok and problem in report.problem
+
+
+def test_schema_is_created_once_and_reopened(ledger_url):
+    Ledger(ledger_url).record("admission", {}, **IDS)
+    reopened = Ledger(ledger_url)
+    reopened.record("settlement", {}, **IDS)
+    assert [r.seq for r in reopened.records()] == [1, 2] and reopened.verify().ok
+    with reopened.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(evidence)).scalar() == 2
