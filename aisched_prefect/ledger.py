@@ -11,6 +11,7 @@ without the other. Serialisation: SQLite takes its write lock at BEGIN
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -173,6 +174,10 @@ class Ledger:
         self.url = url or default_url()
         self.engine = make_engine(self.url)
         self._locking = self.engine.dialect.name != "sqlite"
+        # SQLite has one writer at a time; threads of this process queue here rather
+        # than in SQLite's busy handler, which sleeps in growing steps. Other
+        # processes still serialize on BEGIN IMMEDIATE.
+        self._write_lock = threading.Lock() if not self._locking else None
         self._migrate()
 
     def close(self) -> None:
@@ -194,7 +199,11 @@ class Ledger:
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
-        with self.engine.begin() as conn:
+        if self._write_lock is None:
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        with self._write_lock, self.engine.begin() as conn:
             yield conn
 
     # -- evidence -----------------------------------------------------------------------
