@@ -104,3 +104,37 @@ def test_schema_is_created_once_and_reopened(ledger_url):
     assert [r.seq for r in reopened.records()] == [1, 2] and reopened.verify().ok
     with reopened.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(evidence)).scalar() == 2
+
+
+def test_group_commit_keeps_each_write_all_or_nothing(ledger_url):
+    """Writes queued together commit together; a refused one leaves no trace and blocks no other."""
+    ledger = Ledger(ledger_url)
+    (first,), _ = ledger.reserve([line(1.0)], 0.5, kind="admission", payload={}, **IDS)
+    results: dict[int, object] = {}
+
+    def reserve(i: int, amount: float) -> None:
+        try:
+            results[i] = ledger.reserve([line(1.0)], amount, kind="admission", payload={"i": i}, **IDS)[0][0]
+        except BudgetExceeded as exc:
+            results[i] = exc
+
+    def settle() -> None:
+        results[99] = ledger.settle([first.id], 0.1, kind="settlement", payload={}, **IDS)[0][0]
+
+    with ledger._write_lock:  # hold the writer so that every call below lands in one batch
+        threads = [threading.Thread(target=reserve, args=(i, a)) for i, a in enumerate([0.3, 0.9, 0.2, 0.2])]
+        threads.append(threading.Thread(target=settle))
+        for t in threads:
+            t.start()
+        while len(ledger._queue) < len(threads):
+            threading.Event().wait(0.01)
+    for t in threads:
+        t.join()
+    assert isinstance(results[1], BudgetExceeded)  # 0.9 never fits
+    assert results[99].first and results[99].charged == pytest.approx(0.1)
+    acct = ledger.account("team-a", "2026-11")
+    assert acct["posted"] + acct["pending"] <= acct["limit"]
+    granted = [r for i, r in results.items() if i != 99 and not isinstance(r, BudgetExceeded)]
+    assert acct["pending"] == pytest.approx(sum(h.reserved for h in granted))
+    report = ledger.verify()
+    assert report.ok and report.records == 1 + len(granted) + 1
