@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "ERROR")
 
+from distributed import Client
 from prefect import flow, task
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -29,7 +33,35 @@ from prefect_dask import DaskTaskRunner
 
 from aisched_prefect import AISchedTaskRunner, Ledger, ai_task
 from blocks import AuthorityBlock, BudgetBlock, Grant
-from dask_gpu import LocalGPUCluster
+
+
+@contextmanager
+def external_cluster(workers: int, per_worker: str):
+    """A Dask scheduler and GPU workers in their own processes, started as an operator would.
+
+    Keeping the scheduler out of the flow process is how a shared cluster runs,
+    and leaves the flow process to the runner being measured.
+    """
+    tmp = tempfile.mkdtemp()
+    scheduler_file = os.path.join(tmp, "scheduler.json")
+    common = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    procs = [subprocess.Popen([DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                               "--scheduler-file", scheduler_file], **common)]
+    try:
+        procs.append(subprocess.Popen(
+            [DASK, "worker", "--scheduler-file", scheduler_file, "--nworkers", str(workers), "--nthreads", "5",
+             "--host", "127.0.0.1", "--no-dashboard", "--preload", "dask_gpu.preload"],
+            env={**os.environ, "DASK_GPU_DECLARED": per_worker}, **common))
+        deadline = time.time() + 60
+        while not os.path.exists(scheduler_file) and time.time() < deadline:
+            time.sleep(0.1)
+        with Client(scheduler_file=scheduler_file, set_as_default=False) as client:
+            client.wait_for_workers(workers, timeout=60)
+            yield client.scheduler.address
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(timeout=30)
 
 
 @task
@@ -38,6 +70,7 @@ def trivial(i: int) -> int:
 
 
 SETTLE_SECONDS = 8.0
+DASK = os.path.join(os.path.dirname(sys.executable), "dask")
 
 
 @ai_task(gpus=1, kind="inference", est_seconds=1)
@@ -67,7 +100,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--declared", default="2 workers x 4 GPUs, 80 GB, H100")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--gpus-per-worker", default="4 GPUs, 80 GB, H100")
     args = parser.parse_args()
     n = args.tasks
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -75,9 +109,8 @@ def main() -> None:
 
     with prefect_test_harness(server_startup_timeout=60), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         os.environ["PREFECT_API_URL"] = PREFECT_API_URL.value()  # prefect-dask's workers need the API
-        with LocalGPUCluster(declared=args.declared) as cluster:
+        with external_cluster(args.workers, args.gpus_per_worker) as address:
             logging.getLogger("distributed").setLevel(logging.ERROR)
-            address = cluster.scheduler_address
 
             def make(runner, fn):
                 @flow(task_runner=runner)
@@ -96,7 +129,7 @@ def main() -> None:
                 "prefect-dask DaskTaskRunner": timed(lambda: make(DaskTaskRunner(address=address), trivial), n, args.repeats),
             }
     records = Ledger(ledger_url).verify().records
-    print(f"\n{n} trivial tasks per flow, same Dask cluster ({args.declared}), {os.cpu_count()} cores")
+    print(f"\n{n} trivial tasks per flow, same Dask cluster ({args.workers} workers x {args.gpus_per_worker}), {os.cpu_count()} cores")
     for name, seconds in results.items():
         print(f"  {name:34s} {seconds:7.2f} s   {1000 * seconds / n:7.2f} ms/task")
     ours, dask, threads = (results["AISchedTaskRunner (admission on)"], results["prefect-dask DaskTaskRunner"],

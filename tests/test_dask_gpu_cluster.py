@@ -82,3 +82,31 @@ def test_run_subprocess_sees_exactly_its_devices(dask_client):
                                        capture_output=True, text=True, check=True).stdout.strip()
 
     assert dask_client.gather(dask_gpu.submit(dask_client, child, request=GPURequest(gpus=2))) == "0,1"
+
+
+def test_dask_worker_cli_with_the_preload_joins_an_existing_scheduler(tmp_path):
+    """`dask worker ADDR --preload dask_gpu.preload`, as the README tells an operator to run it."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        dask = os.path.join(os.path.dirname(sys.executable), "dask")
+        worker = subprocess.Popen(
+            [dask, "worker", cluster.scheduler_address, "--nthreads", "2", "--host", "127.0.0.1",
+             "--no-dashboard", "--preload", "dask_gpu.preload"],
+            env={**os.environ, "DASK_GPU_DECLARED": "2 GPUs, 48 GB, L40S", "PYTHONPATH": os.getcwd()},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            client.wait_for_workers(1, timeout=60)
+            (resources,) = [w["resources"] for w in client.scheduler_info()["workers"].values()]
+            assert resources == {"GPU": 2.0, "GPU-L40S": 2.0, "GPU-MEMORY-GB": 96.0}
+            run = client.gather(dask_gpu.submit(client, record_devices, 0, request=GPURequest(gpus=2, gpu_type="L40S")))
+            assert run["devices"] == [0, 1] and run["types"] == ["L40S", "L40S"]
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
