@@ -98,14 +98,14 @@ def test_dask_worker_cli_with_the_preload_joins_an_existing_scheduler(tmp_path):
         worker = subprocess.Popen(
             [dask, "worker", cluster.scheduler_address, "--nthreads", "2", "--host", "127.0.0.1",
              "--no-dashboard", "--preload", "dask_gpu.preload"],
-            env={**os.environ, "DASK_GPU_DECLARED": "2 GPUs, 48 GB, L40S", "PYTHONPATH": os.getcwd()},
+            env={**os.environ, "DASK_GPU_DECLARED": "2 GPUs, 48 GB, L40S", "PYTHONPATH": os.path.dirname(__file__)},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         try:
             client.wait_for_workers(1, timeout=60)
             (resources,) = [w["resources"] for w in client.scheduler_info()["workers"].values()]
             assert resources == {"GPU": 2.0, "GPU-L40S": 2.0, "GPU-MEMORY-GB": 96.0}
-            run = client.gather(dask_gpu.submit(client, record_devices, 0, request=GPURequest(gpus=2, gpu_type="L40S")))
+            run = dask_gpu.submit(client, record_devices, 0, request=GPURequest(gpus=2, gpu_type="L40S")).result(timeout=60)
             assert run["devices"] == [0, 1] and run["types"] == ["L40S", "L40S"]
         finally:
             worker.terminate()
