@@ -19,7 +19,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	mkdir -p .aisched/prefect
-	AISCHED_HOME=$(CURDIR)/.aisched PREFECT_HOME=$(CURDIR)/.aisched/prefect PREFECT_LOGGING_LEVEL=INFO \
+	AISCHED_HOME=$(CURDIR)/.aisched PREFECT_HOME=$(CURDIR)/.aisched/prefect \
 		$(BIN)/python -m flows.nightly
 
 test: $(STAMP)

@@ -8,6 +8,7 @@ a SQLite ledger. `make demo` runs it.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -106,5 +107,6 @@ def print_evidence(flow_run_id: str) -> None:
 
 
 if __name__ == "__main__":
+    logging.getLogger("distributed").setLevel(logging.WARNING)  # keep the demo's output about the demo
     save_demo_blocks()
     print_evidence(nightly())
