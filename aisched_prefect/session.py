@@ -19,11 +19,13 @@ from typing import Any
 from uuid import UUID
 
 from distributed import Client, Future
+from pydantic import BaseModel, ConfigDict
 
 from aisched_prefect.approvals import ApprovalRequest, Approver, PolicyApprover, PrefectPauseApprover
 from aisched_prefect.config import RunnerConfig
 from aisched_prefect.errors import AdmissionDenied, TicketRejected
-from aisched_prefect.ledger import BudgetExceeded, BudgetLine, Ledger
+from aisched_prefect.evidence import EvidenceRecord
+from aisched_prefect.ledger import BudgetExceeded, BudgetLine, Hold, Ledger
 from aisched_prefect.report import evidence_rows
 from aisched_prefect.request import AIRequest
 from aisched_prefect.worker import AdmissionTicket, WorkerOutcome, run_admitted
@@ -33,6 +35,17 @@ from dask_gpu import InfeasibleRequest, LocalGPUCluster, WorkerInventory, cluste
 logger = logging.getLogger("aisched_prefect")
 
 ARTIFACT_KEY = "aisched-evidence"
+
+
+class Admission(BaseModel):
+    """What admission hands to execution: the ticket, where the run may go, what it holds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ticket: AdmissionTicket
+    workers: list[str]
+    hold_ids: list[str]
+    reserved: float
 
 
 def _load(value: Any, cls: type, what: str) -> Any:
@@ -101,12 +114,18 @@ class RunnerSession:
 
     def run(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
             *, task_name: str, task_run_id: str, flow_run_id: str) -> Any:
+        """Admit one call of an AI task, run it on its devices, settle it; return its result."""
         self.flow_run_ids.add(flow_run_id)
         ids = {"flow_run_id": flow_run_id, "task_run_id": task_run_id, "principal": self.config.principal}
         payload: dict[str, Any] = {
             "task": task_name, "request": request.model_dump(), "authority": self.authority_name,
             "budget": self.budget_name, "policy": self.config.approval_policy if isinstance(self.config.approval_policy, str) else None,
         }
+        admission = self._admit(request, payload, ids)
+        return self._execute(fn, request, args, kwargs, admission, payload, ids, task_name)
+
+    def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any]) -> Admission:
+        """Feasibility, pricing, authority, policy, budget hold, then a person if the policy asks."""
         gpu_request = request.gpu_request()
         try:
             workers = self._placement(request)
@@ -130,7 +149,7 @@ class RunnerSession:
                 f"add or widen a grant for {self.config.principal!r} in AuthorityBlock {self.authority_name!r}",
                 payload, ids,
             ) from None
-        payload["grant"] = decision.grant.id
+        grant_id = payload["grant"] = decision.grant.id
         outcome = self.policy.evaluate(facts) if self.policy else None
         payload["approval_rule"] = outcome.rule if outcome else None
         if outcome is not None and outcome.action == "deny":
@@ -146,41 +165,46 @@ class RunnerSession:
         except BudgetExceeded as exc:
             raise self._deny("budget", str(exc), f"raise the limit of BudgetBlock {self.budget_name!r} or lower est_seconds/gpus",
                              payload, ids) from None
-        hold_ids = [h.id for h in held]
         if asking:
             assert outcome is not None
-            ask = ApprovalRequest(
-                flow_run_id=flow_run_id, task_run_id=task_run_id, task_name=task_name,
-                principal=self.config.principal, grant_id=decision.grant.id, request=request.model_dump(),
+            record = self._ask_person(ApprovalRequest(
+                flow_run_id=ids["flow_run_id"], task_run_id=ids["task_run_id"], task_name=payload["task"],
+                principal=self.config.principal, grant_id=grant_id, request=payload["request"],
                 est_cost=estimate.amount, currency=self.budget.currency,
                 remaining_budget=min(h.remaining_after for h in held), rule=outcome.rule,
                 timeout_seconds=outcome.timeout_seconds,
-            )
-            try:
-                verdict = self.approver.decide(ask)
-            except BaseException:
-                self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, **ids)
-                raise
-            if not verdict.approved:
-                self.ledger.settle(hold_ids, None, kind="approval",
-                                   payload={**payload, **verdict.model_dump(), "outcome": "rejected"}, **ids)
-                raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
-                                      "ask an approver again, or change the request")
-            self.ledger.record("approval", {**payload, **verdict.model_dump()}, **ids)
-            record = self.ledger.record("admission", {**payload, "approval": verdict.approver, "holds": [h.model_dump() for h in held]}, **ids)
+            ), held, payload, ids)
         ticket = AdmissionTicket(
-            admission_seq=record.seq, task_run_id=task_run_id, request_digest=request.digest(),
-            grant_id=decision.grant.id, expires_at=time.time() + self.config.ticket_ttl_seconds,
+            admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest(),
+            grant_id=grant_id, expires_at=time.time() + self.config.ticket_ttl_seconds,
         )
-        return self._execute(fn, request, args, kwargs, ticket, workers, hold_ids, estimate.amount, payload, ids, task_name)
+        return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount)
+
+    def _ask_person(self, ask: ApprovalRequest, held: list[Hold], payload: dict[str, Any],
+                    ids: dict[str, Any]) -> EvidenceRecord:
+        """Wait for the approver; a rejection or an abort voids the hold. Returns the admission record."""
+        hold_ids = [h.id for h in held]
+        try:
+            verdict = self.approver.decide(ask)
+        except BaseException:
+            self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, **ids)
+            raise
+        if not verdict.approved:
+            self.ledger.settle(hold_ids, None, kind="approval",
+                               payload={**payload, **verdict.model_dump(), "outcome": "rejected"}, **ids)
+            raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
+                                  "ask an approver again, or change the request")
+        self.ledger.record("approval", {**payload, **verdict.model_dump()}, **ids)
+        return self.ledger.record("admission", {**payload, "approval": verdict.approver,
+                                                "holds": [h.model_dump() for h in held]}, **ids)
 
     # -- execution and settlement ---------------------------------------------------
     def _execute(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 ticket: AdmissionTicket, workers: list[str], hold_ids: list[str], reserved: float, payload: dict[str, Any],
-                 ids: dict[str, Any], task_name: str) -> Any:
+                 admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:
+        workers, hold_ids = admission.workers, admission.hold_ids
         gpu_workers = [a for a, inv in self.inventories.items() if inv.devices] if request.gpus else list(self.inventories)
         future: Future = self.client.submit(
-            run_admitted, ticket, request, fn, args, kwargs,
+            run_admitted, admission.ticket, request, fn, args, kwargs,
             key=f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}",
             resources=request.gpu_request().resources() or None,
             workers=workers if set(workers) != set(gpu_workers) else None,
@@ -192,7 +216,7 @@ class RunnerSession:
             self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "ticket-rejected", "error": str(exc)}, **ids)
             raise
         except BaseException as exc:  # worker died, cancelled, interrupted: outcome unknown, charge the hold
-            self.ledger.settle(hold_ids, reserved, kind="settlement",
+            self.ledger.settle(hold_ids, admission.reserved, kind="settlement",
                                payload={**payload, "outcome": "lost", "error": f"{type(exc).__name__}: {exc}"}, **ids)
             raise
         finally:

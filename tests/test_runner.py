@@ -253,3 +253,19 @@ def test_embedded_cluster_starts_and_stops(sqlite_url):
 
     _, devices, types = f()
     assert devices == [0] and types == ["A10"]
+
+
+def test_runner_pickles_and_duplicates_with_every_argument():
+    """Prefect duplicates the runner per flow run and may pickle the flow: no live state may ride along."""
+    import cloudpickle
+
+    from aisched_prefect import AISchedTaskRunner
+
+    original = AISchedTaskRunner(principal="team-a/x", authority=authority(), budget="team-a", approval_policy="p",
+                                 approver="policy", address="tcp://127.0.0.1:1", declared="2 GPUs", ledger_url="sqlite://",
+                                 max_workers=7, ticket_ttl_seconds=60)
+    copy = cloudpickle.loads(cloudpickle.dumps(original.duplicate()))
+    assert copy == original and copy.config == original.config
+    assert copy._max_workers == 7
+    with pytest.raises(NoAdmissionContext, match="not started"):
+        copy.session
