@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -61,5 +62,7 @@ class AIRequest(BaseModel):
     def gpu_request(self) -> GPURequest:
         return GPURequest(gpus=self.gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type)
 
+    @cached_property
     def digest(self) -> str:
+        """Hash of the request, binding tickets (and later approvals) to exactly what was asked."""
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()

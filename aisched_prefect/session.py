@@ -175,7 +175,7 @@ class RunnerSession:
                 timeout_seconds=outcome.timeout_seconds,
             ), held, payload, ids)
         ticket = AdmissionTicket(
-            admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest(),
+            admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
             grant_id=grant_id, expires_at=time.time() + self.config.ticket_ttl_seconds,
         )
         return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount)

@@ -41,7 +41,7 @@ class WorkerOutcome(BaseModel):
 def check_ticket(ticket: AdmissionTicket | None, request: AIRequest) -> None:
     if ticket is None:
         raise TicketRejected("no admission ticket: AI tasks run only after admission by AISchedTaskRunner")
-    if ticket.request_digest != request.digest():
+    if ticket.request_digest != request.digest:
         raise TicketRejected(f"ticket for task run {ticket.task_run_id} was issued for another request")
     if time.time() > ticket.expires_at:
         raise TicketRejected(f"ticket for task run {ticket.task_run_id} expired; the run must be admitted again")

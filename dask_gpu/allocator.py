@@ -35,7 +35,7 @@ class DeviceAllocator:
 
     def acquire(self, key: str, request: GPURequest, timeout: float = 30.0) -> tuple[GPUDevice, ...]:
         """Give `key` its devices, all or none; wait up to `timeout` seconds for them."""
-        if not any(True for _ in self._devices) and request.gpus:
+        if request.gpus and not self._devices:
             raise DeviceUnavailable(f"task {key!r} asked for {request.describe()} on a worker with no GPUs")
         with self._cond:
             if key in self._held:
