@@ -10,7 +10,8 @@ from aisched_prefect.evidence import EvidenceRecord
 def _request_summary(req: dict[str, Any]) -> str:
     parts = [req.get("kind", "?")]
     if req.get("gpus"):
-        parts.append(f"{req['gpus']} x {req.get('gpu_type') or 'any GPU'}")
+        types = req.get("gpu_type") or "any GPU"
+        parts.append(f"{req['gpus']:g} x {types if isinstance(types, str) else ' or '.join(types)}")
     if req.get("gpu_memory_gb"):
         parts.append(f">= {req['gpu_memory_gb']:g} GB")
     if req.get("model"):

@@ -22,13 +22,20 @@ class AIRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: str = Field(description="What the task does: training, inference, model-call, ...")
-    gpus: int = Field(default=0, ge=0, le=64, description="Whole GPUs on one worker.")
-    gpu_memory_gb: float | None = Field(default=None, gt=0, description="Memory each device must have.")
-    gpu_type: str | None = Field(default=None, description="Required GPU type (H100, A100, ...); None = any.")
+    gpus: float = Field(default=0, ge=0, le=64, description="Whole GPUs on one worker, or a fraction (0.25, 0.5) of one.")
+    gpu_memory_gb: float | None = Field(
+        default=None, gt=0, description="Whole GPUs: memory each must have. A fraction: memory reserved on the shared GPU.")
+    gpu_type: str | tuple[str, ...] | None = Field(
+        default=None, description="Required GPU type (H100, ...), or several acceptable ones; None = any.")
     model: str | None = Field(default=None, description="Model the task trains or calls.")
     est_seconds: float = Field(default=0, ge=0, description="Expected runtime; prices the budget hold.")
     est_tokens: int = Field(default=0, ge=0, description="Expected tokens; prices model calls.")
     priority: int = Field(default=0, ge=-100, le=100, description="Higher goes first.")
+
+    @field_validator("gpu_type", mode="before")
+    @classmethod
+    def _types_as_tuple(cls, v: object) -> object:
+        return tuple(v) if isinstance(v, list) else v
 
     @field_validator("kind")
     @classmethod
@@ -39,6 +46,7 @@ class AIRequest(BaseModel):
 
     @model_validator(mode="after")
     def _priceable(self) -> AIRequest:
+        self.gpu_request()  # the resource layer's own rules: whole or fractional, types
         if self.gpus and self.est_seconds <= 0:
             raise ValueError(
                 "est_seconds must be > 0 for a GPU task: it prices the budget hold (e.g. est_seconds=600)"
@@ -60,7 +68,10 @@ class AIRequest(BaseModel):
             raise InvalidAIRequest(f"invalid @ai_task request: {problems}") from None
 
     def gpu_request(self) -> GPURequest:
-        return GPURequest(gpus=self.gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type)
+        try:
+            return GPURequest(gpus=self.gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type)
+        except ValidationError as exc:
+            raise ValueError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
 
     @cached_property
     def digest(self) -> str:

@@ -139,7 +139,7 @@ class RunnerSession:
         payload["estimate"] = estimate.model_dump()
         facts = RunFacts(
             principal=self.config.principal, kind=request.kind, model=request.model, gpus=request.gpus,
-            gpu_type=request.gpu_type or (types[0] if len(types) == 1 else None),
+            gpu_types=tuple(types),
             est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount,
         )
         decision = self.authority.authorize(facts)
@@ -226,13 +226,13 @@ class RunnerSession:
         self.ledger.settle(hold_ids, actual, kind="settlement", payload={
             **payload, "outcome": "completed" if out.ok else "failed",
             "error": None if out.ok else f"{type(out.error).__name__}: {out.error}",
-            "placement": {"worker": run.worker, "host": run.host, "devices": run.device_indices,
+            "placement": {"worker": run.worker, "host": run.host, "devices": run.device_keys,
                           "gpu_type": run.gpu_type, "source": run.source},
             "seconds": run.seconds, "gpu_seconds": run.seconds * len(run.devices),
         }, **ids)
         if not out.ok:
             assert out.error is not None
-            logger.error("AI task %s failed on %s devices %s:\n%s", task_name, run.worker, run.device_indices, out.error_text)
+            logger.error("AI task %s failed on %s devices %s:\n%s", task_name, run.worker, run.device_keys, out.error_text)
             raise out.error
         return out.value
 

@@ -31,12 +31,9 @@ class ApprovalRule(BaseModel):
             return False
         if self.min_gpus is not None and facts.gpus < self.min_gpus:
             return False
-        for allowed, value in (
-            (self.kinds, facts.kind),
-            (self.gpu_types, facts.gpu_type),
-            (self.models, facts.model),
-            (self.principals, facts.principal),
-        ):
+        if self.gpu_types is not None and not {t.lower() for t in facts.gpu_types} & {a.lower() for a in self.gpu_types}:
+            return False  # matches when the run could land on one of these types
+        for allowed, value in ((self.kinds, facts.kind), (self.models, facts.model), (self.principals, facts.principal)):
             if allowed is not None and (value is None or value.lower() not in {a.lower() for a in allowed}):
                 return False
         return True

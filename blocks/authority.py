@@ -45,12 +45,12 @@ class Grant(BaseModel):
             return f"grant {self.id!r} allows kinds {self.kinds}, not kind={facts.kind!r}"
         if facts.model is not None and not _allowed(facts.model, self.models):
             return f"grant {self.id!r} allows models {self.models}, not model={facts.model!r}"
-        if facts.gpus and facts.gpu_type is not None and not _allowed(facts.gpu_type, self.gpu_types):
-            return f"grant {self.id!r} allows GPU types {self.gpu_types}, not gpu_type={facts.gpu_type!r}"
-        if facts.gpus and facts.gpu_type is None and ANY not in self.gpu_types:
-            return f"grant {self.id!r} allows only GPU types {self.gpu_types}: set gpu_type= on the task"
+        outside = [t for t in facts.gpu_types if not _allowed(t, self.gpu_types)] if facts.gpus else []
+        if outside:
+            return (f"grant {self.id!r} allows GPU types {self.gpu_types}, but the run could land on {outside}: "
+                    "set gpu_type= on the task to allowed types")
         if facts.gpus > self.max_gpus:
-            return f"grant {self.id!r} allows at most max_gpus={self.max_gpus}, not gpus={facts.gpus}"
+            return f"grant {self.id!r} allows at most max_gpus={self.max_gpus}, not gpus={facts.gpus:g}"
         if facts.est_cost is not None and facts.est_cost > self.max_cost_per_run:
             return (
                 f"grant {self.id!r} allows at most max_cost_per_run={self.max_cost_per_run:g}, "

@@ -79,7 +79,7 @@ budget = BudgetBlock.load("BLOCK_NAME")
 
     def estimate(
         self,
-        gpus: int,
+        gpus: float,
         seconds: float,
         gpu_types: list[str],
         tokens: int = 0,
@@ -104,6 +104,6 @@ budget = BudgetBlock.load("BLOCK_NAME")
             amount += tokens / 1000.0 * price
         return CostEstimate(amount=amount, gpu_type_priced=priced, gpu_hour_price=hour_price, token_price_per_1k=tok_price)
 
-    def actual_cost(self, gpus: int, seconds: float, gpu_type: str | None, tokens: int = 0, model: str | None = None) -> float:
+    def actual_cost(self, gpus: float, seconds: float, gpu_type: str | None, tokens: int = 0, model: str | None = None) -> float:
         """Cost of what a run really used."""
         return self.estimate(gpus, seconds, [gpu_type] if gpu_type else [], tokens, model).amount

@@ -13,8 +13,9 @@ class RunFacts(BaseModel):
     principal: str
     kind: str
     model: str | None = None
-    gpus: int = Field(default=0, ge=0)
-    gpu_type: str | None = None
+    gpus: float = Field(default=0, ge=0)
+    gpu_types: tuple[str, ...] = ()
+    """Every GPU type the run could land on (one when the task names one)."""
     est_seconds: float = Field(default=0, ge=0)
     est_tokens: int = Field(default=0, ge=0)
     est_cost: float | None = Field(default=None, ge=0)

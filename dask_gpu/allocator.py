@@ -1,10 +1,13 @@
-"""Which devices of one worker each running task holds.
+"""Which devices (or shares of a device) of one worker each running task holds.
 
-Dask's `GPU` resource is only a counter: it guarantees that no more tasks run
-than there are devices, but not *which* device each one gets. The allocator
-turns the counter into disjoint device sets. It blocks briefly rather than
-failing when Dask has released a slot whose previous holder is still
-unwinding (a cancelled task's thread keeps running until it returns).
+Dask's resources are only counters: they bound how much runs at once, not
+*which* device each task gets, and they cannot see that two half-GPU tasks
+must land on the same device's memory. The allocator turns the counters into
+concrete, non-overlapping holdings: a whole-GPU task gets devices nobody else
+touches; fractional tasks share a device while their fractions sum to at most
+one and their memory fits. It waits briefly rather than failing when Dask has
+released a slot whose holder is still unwinding, or when the free capacity is
+fragmented across devices.
 """
 
 from __future__ import annotations
@@ -15,32 +18,51 @@ from dask_gpu.errors import DeviceUnavailable
 from dask_gpu.inventory import GPUDevice
 from dask_gpu.request import GPURequest
 
+_UNITS = 1_000_000  # fractions and MB as integers: no float drift in the books
+
 
 class DeviceAllocator:
     """Thread-safe assignment of a worker's devices to running tasks."""
 
     def __init__(self, devices: tuple[GPUDevice, ...]) -> None:
         self._devices = devices
-        self._held: dict[str, tuple[GPUDevice, ...]] = {}
+        self._fraction = {d.key: 0 for d in devices}  # in millionths of a device
+        self._memory = {d.key: 0 for d in devices}  # in MB
+        self._held: dict[str, list[tuple[GPUDevice, int, int]]] = {}
         self._cond = threading.Condition()
 
-    def _pick(self, request: GPURequest) -> tuple[GPUDevice, ...] | None:
-        taken = {d.index for held in self._held.values() for d in held}
-        free = [d for d in self._devices if d.index not in taken and request.device_fits(d)]
-        if len(free) < request.gpus:
+    @staticmethod
+    def _mb(gb: float) -> int:
+        return int(round(gb * 1024))
+
+    def _pick(self, request: GPURequest) -> list[tuple[GPUDevice, int, int]] | None:
+        if not request.fractional:
+            free = [d for d in self._devices if request.device_fits(d) and self._fraction[d.key] == 0]
+            if len(free) < request.devices_needed:
+                return None
+            free.sort(key=lambda d: (d.memory_gb, d.index, d.mig or 0))  # keep big devices for big requests
+            chosen = sorted(free[: request.devices_needed], key=lambda d: (d.index, d.mig or 0))
+            return [(d, _UNITS, self._mb(d.memory_gb)) for d in chosen]
+        share = int(round(request.gpus * _UNITS))
+        fits = []
+        for d in self._devices:
+            memory = self._mb(request.memory_on(d))
+            if (request.type_fits(d) and self._fraction[d.key] + share <= _UNITS
+                    and self._memory[d.key] + memory <= self._mb(d.memory_gb)):
+                fits.append((d, share, memory))
+        if not fits:
             return None
-        # Smallest fitting devices first: keep the big ones for the requests that need them.
-        free.sort(key=lambda d: (d.memory_gb, d.index))
-        return tuple(sorted(free[: request.gpus], key=lambda d: d.index))
+        # Best fit: the fullest device that still fits, so whole devices stay free for whole requests.
+        return [max(fits, key=lambda f: (self._fraction[f[0].key], self._memory[f[0].key], -f[0].index))]
 
     def acquire(self, key: str, request: GPURequest, timeout: float = 30.0) -> tuple[GPUDevice, ...]:
         """Give `key` its devices, all or none; wait up to `timeout` seconds for them."""
-        if request.gpus and not self._devices:
-            raise DeviceUnavailable(f"task {key!r} asked for {request.describe()} on a worker with no GPUs")
+        if request.gpus and not any(request.device_fits(d) for d in self._devices):
+            raise DeviceUnavailable(f"task {key!r}: no device of this worker can ever hold {request.describe()}")
         with self._cond:
             if key in self._held:
-                raise DeviceUnavailable(f"task {key!r} already holds devices {self._held[key]}")
-            picked: tuple[GPUDevice, ...] | None = None
+                raise DeviceUnavailable(f"task {key!r} already holds devices {self.holders()[key]}")
+            picked: list[tuple[GPUDevice, int, int]] | None = None
 
             def ready() -> bool:
                 nonlocal picked
@@ -53,14 +75,23 @@ class DeviceAllocator:
                     f"{timeout:g}s; held: {self.holders()}"
                 )
             assert picked is not None
+            for d, share, memory in picked:
+                self._fraction[d.key] += share
+                self._memory[d.key] += memory
             self._held[key] = picked
-            return picked
+            return tuple(d for d, _, _ in picked)
 
     def release(self, key: str) -> None:
         with self._cond:
-            self._held.pop(key, None)
+            for d, share, memory in self._held.pop(key, []):
+                self._fraction[d.key] -= share
+                self._memory[d.key] -= memory
             self._cond.notify_all()
 
-    def holders(self) -> dict[str, list[int]]:
-        """Task key -> device indices held now."""
-        return {k: [d.index for d in v] for k, v in self._held.items()}
+    def holders(self) -> dict[str, list[str]]:
+        """Task key -> keys of the devices it holds now."""
+        return {k: [d.key for d, _, _ in v] for k, v in self._held.items()}
+
+    def usage(self) -> dict[str, tuple[float, float]]:
+        """Device key -> (fraction in use, GB reserved): never above (1, device memory)."""
+        return {d.key: (self._fraction[d.key] / _UNITS, self._memory[d.key] / 1024) for d in self._devices}

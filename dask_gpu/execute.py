@@ -40,8 +40,9 @@ class DeviceRun(BaseModel):
     source: str = "none"
 
     @property
-    def device_indices(self) -> list[int]:
-        return [d.index for d in self.devices]
+    def device_keys(self) -> list[str]:
+        """'0', '1', ... for whole GPUs; '0:1' for MIG instance 1 of GPU 0."""
+        return [d.key for d in self.devices]
 
     @property
     def gpu_type(self) -> str | None:
@@ -64,7 +65,7 @@ def gpu_env(devices: Sequence[GPUDevice] | None = None, base: dict[str, str] | N
     devices = current_devices() if devices is None else devices
     env = dict(os.environ if base is None else base)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers devices as NVML does
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in devices)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(d.visible_id for d in devices)
     return env
 
 

@@ -22,7 +22,7 @@ DEFAULT_DECLARED_MEMORY_GB = 80.0
 
 
 class GPUDevice(BaseModel):
-    """One device as a task sees it: its NVML index, identity and size."""
+    """One device as a task sees it: its NVML index (and MIG instance), identity and size."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -31,6 +31,17 @@ class GPUDevice(BaseModel):
     name: str
     gpu_type: str
     memory_gb: float = Field(gt=0)
+    mig: int | None = Field(default=None, ge=0)
+
+    @property
+    def key(self) -> str:
+        """Unique within a worker: '0' for a whole GPU, '0:1' for MIG instance 1 of GPU 0."""
+        return str(self.index) if self.mig is None else f"{self.index}:{self.mig}"
+
+    @property
+    def visible_id(self) -> str:
+        """What CUDA_VISIBLE_DEVICES needs: the physical index, or the UUID of a MIG instance."""
+        return str(self.index) if self.mig is None else self.uuid
 
 
 class WorkerInventory(BaseModel):
@@ -180,19 +191,34 @@ def nvml_inventory() -> WorkerInventory | None:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
         return None
+    def text(value: str | bytes) -> str:
+        return value.decode() if isinstance(value, bytes) else value
+
+    def gib(handle: object) -> float:
+        return round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30, 2)
+
     try:
         devices = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            name = name.decode() if isinstance(name, bytes) else name
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
-            devices.append(
-                GPUDevice(index=i, uuid=uuid, name=name, gpu_type=gpu_type_from_name(name),
-                          memory_gb=round(mem, 2))
-            )
+            name = text(pynvml.nvmlDeviceGetName(h))
+            gpu_type = gpu_type_from_name(name)
+            try:
+                mig_enabled = pynvml.nvmlDeviceGetMigMode(h)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+            except pynvml.NVMLError:  # not a MIG-capable GPU
+                mig_enabled = False
+            if not mig_enabled:
+                devices.append(GPUDevice(index=i, uuid=text(pynvml.nvmlDeviceGetUUID(h)), name=name,
+                                         gpu_type=gpu_type, memory_gb=gib(h)))
+                continue
+            # Each MIG instance is a device of its own, with its own memory and UUID.
+            for k in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(h)):
+                try:
+                    m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, k)
+                except pynvml.NVMLError:
+                    continue
+                devices.append(GPUDevice(index=i, mig=k, uuid=text(pynvml.nvmlDeviceGetUUID(m)),
+                                         name=f"{name} MIG {k}", gpu_type=gpu_type, memory_gb=gib(m)))
     finally:
         pynvml.nvmlShutdown()
     if not devices:

@@ -42,6 +42,6 @@ def test_acquire_is_all_or_nothing_and_times_out():
     alloc.acquire("a", GPURequest(gpus=1))
     with pytest.raises(DeviceUnavailable, match="no gpus=2 free"):
         alloc.acquire("b", GPURequest(gpus=2), timeout=0.2)
-    assert alloc.holders() == {"a": [0]}
+    assert alloc.holders() == {"a": ["0"]}
     alloc.release("a")
     assert [d.index for d in alloc.acquire("b", GPURequest(gpus=2), timeout=0.2)] == [0, 1]

@@ -67,7 +67,7 @@ def test_prefect_block_register_module():
     assert "Successfully registered 3 blocks" in out.stdout
 
 
-FACTS = RunFacts(principal="team-a/nightly", kind="training", gpus=2, gpu_type="H100", est_seconds=3600, est_cost=8.0)
+FACTS = RunFacts(principal="team-a/nightly", kind="training", gpus=2, gpu_types=("H100",), est_seconds=3600, est_cost=8.0)
 
 
 def test_grant_covers_and_refuses_by_dimension():
@@ -76,6 +76,7 @@ def test_grant_covers_and_refuses_by_dimension():
     assert "max_gpus=2" in g.refusal(FACTS.model_copy(update={"gpus": 4}))
     assert "max_cost_per_run" in g.refusal(FACTS.model_copy(update={"est_cost": 11}))
     assert "kinds" in g.refusal(FACTS.model_copy(update={"kind": "inference"}))
+    assert "could land on ['A100']" in g.refusal(FACTS.model_copy(update={"gpu_types": ("H100", "A100")}))
     assert "revoked" in g.model_copy(update={"revoked": True}).refusal(FACTS)
     past = datetime.now(timezone.utc) - timedelta(seconds=1)
     assert "expired" in g.model_copy(update={"expires_at": past}).refusal(FACTS)
@@ -107,5 +108,5 @@ def test_approval_policy_first_matching_rule_decides():
     ])
     assert policy.evaluate(FACTS).rule == "big" and policy.evaluate(FACTS).action == "ask"
     assert policy.evaluate(FACTS.model_copy(update={"est_cost": 1.0})).action == "approve"
-    assert policy.evaluate(FACTS.model_copy(update={"gpu_type": "MI300"})).action == "deny"
+    assert policy.evaluate(FACTS.model_copy(update={"gpu_types": ("A100", "MI300")})).action == "deny"
     assert ApprovalPolicyBlock().evaluate(FACTS).action == "approve"
