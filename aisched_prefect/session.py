@@ -30,7 +30,14 @@ from aisched_prefect.report import evidence_rows
 from aisched_prefect.request import AIRequest
 from aisched_prefect.worker import AdmissionTicket, WorkerOutcome, run_admitted
 from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock, RunFacts, UnpriceableRequest, period_key
-from dask_gpu import InfeasibleRequest, LocalGPUCluster, WorkerInventory, cluster_inventories, eligible_workers
+from dask_gpu import (
+    InfeasibleRequest,
+    LocalGPUCluster,
+    WorkerInventory,
+    cluster_inventories,
+    eligible_workers,
+    worker_restriction,
+)
 
 logger = logging.getLogger("aisched_prefect")
 
@@ -201,13 +208,12 @@ class RunnerSession:
     # -- execution and settlement ---------------------------------------------------
     def _execute(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
                  admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:
-        workers, hold_ids = admission.workers, admission.hold_ids
-        gpu_workers = [a for a, inv in self.inventories.items() if inv.devices] if request.gpus else list(self.inventories)
+        hold_ids = admission.hold_ids
         future: Future = self.client.submit(
             run_admitted, admission.ticket, request, fn, args, kwargs,
             key=f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}",
             resources=request.gpu_request().resources() or None,
-            workers=workers if set(workers) != set(gpu_workers) else None,
+            workers=worker_restriction(request.gpu_request(), self.inventories, admission.workers),
             allow_other_workers=False, pure=False,
         )
         try:

@@ -26,7 +26,7 @@ from dask_gpu.inventory import (
     nvml_inventory,
     parse_declared,
 )
-from dask_gpu.request import GPURequest, eligible_workers
+from dask_gpu.request import GPURequest, eligible_workers, worker_restriction
 
 __all__ = [
     "DECLARED_ENV",
@@ -52,4 +52,5 @@ __all__ = [
     "run_subprocess",
     "run_with_devices",
     "submit",
+    "worker_restriction",
 ]

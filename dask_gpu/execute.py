@@ -16,9 +16,10 @@ from distributed.worker import thread_state
 from pydantic import BaseModel, ConfigDict
 
 from dask_gpu.errors import NotOnGPUWorker
-from dask_gpu.inventory import GPUDevice
+from dask_gpu.cluster import cluster_inventories
+from dask_gpu.inventory import GPUDevice, WorkerInventory
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
-from dask_gpu.request import GPURequest
+from dask_gpu.request import GPURequest, worker_restriction
 
 _current_devices: ContextVar[tuple[GPUDevice, ...] | None] = ContextVar(
     "dask_gpu_current_devices", default=None
@@ -146,6 +147,16 @@ def _call(fn: Callable[..., Any], request: GPURequest, args: tuple[Any, ...], kw
     return run_with_devices(fn, request, args, kwargs)[0]
 
 
-def submit(client: Any, fn: Callable[..., Any], *args: Any, request: GPURequest, **kwargs: Any) -> Any:
-    """Plain-Dask entry point: `client.submit` that places by GPUs and assigns devices."""
-    return client.submit(_call, fn, request, args, kwargs, resources=request.resources() or None, pure=False)
+def submit(client: Any, fn: Callable[..., Any], *args: Any, request: GPURequest,
+           inventories: dict[str, WorkerInventory] | None = None, **kwargs: Any) -> Any:
+    """Plain-Dask entry point: `client.submit` that places by GPU count, type and memory and assigns devices.
+
+    Fails at once (InfeasibleRequest) when no worker could ever hold `request`.
+    Pass `inventories` (from `cluster_inventories(client)`) to skip reading them
+    on every call.
+    """
+    if not request.gpus:
+        return client.submit(_call, fn, request, args, kwargs, pure=False)
+    inventories = cluster_inventories(client) if inventories is None else inventories
+    return client.submit(_call, fn, request, args, kwargs, resources=request.resources(),
+                         workers=worker_restriction(request, inventories), allow_other_workers=False, pure=False)

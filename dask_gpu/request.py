@@ -116,3 +116,16 @@ def eligible_workers(request: GPURequest, inventories: dict[str, WorkerInventory
         "gpu_type, or add a worker that has such devices (on a machine without GPUs, declare "
         "them: DASK_GPU_DECLARED='2 workers x 2 GPUs, 80 GB, H100')"
     )
+
+
+def worker_restriction(request: GPURequest, inventories: dict[str, WorkerInventory],
+                       eligible: list[str] | None = None) -> list[str] | None:
+    """The `workers=` a submit needs: None when Dask's resource counters already say enough.
+
+    Counters express count and one type; memory and any-of-several types need
+    an explicit list of eligible workers. Raises InfeasibleRequest like
+    `eligible_workers` (unless `eligible` is given, already computed).
+    """
+    eligible = eligible_workers(request, inventories) if eligible is None else eligible
+    candidates = [a for a, inv in inventories.items() if inv.devices] if request.gpus else list(inventories)
+    return None if set(eligible) == set(candidates) else eligible

@@ -110,3 +110,24 @@ def test_dask_worker_cli_with_the_preload_joins_an_existing_scheduler(tmp_path):
         finally:
             worker.terminate()
             worker.wait(timeout=30)
+
+
+@pytest.mark.parametrize("memory, per_device", [(30.0, 2), (50.0, 1)])
+def test_fractional_tasks_share_devices_only_while_memory_fits(dask_client, memory, per_device):
+    request = GPURequest(gpus=0.5, gpu_memory_gb=memory, gpu_type="H100")
+    runs = dask_client.gather([dask_gpu.submit(dask_client, record_devices, 0.3, request=request) for _ in range(8)])
+    events = sorted([(r["start"], 1, r["worker"], r["devices"][0]) for r in runs]
+                    + [(r["end"], -1, r["worker"], r["devices"][0]) for r in runs])
+    tenants: dict[tuple[str, int], int] = {}
+    for _, delta, worker, device in events:
+        tenants[(worker, device)] = tenants.get((worker, device), 0) + delta
+        assert tenants[(worker, device)] <= per_device, f"{worker} device {device} over-committed"
+    assert all(len(r["devices"]) == 1 and r["types"] == ["H100"] for r in runs)
+
+
+def test_any_of_several_types(dask_client):
+    request = GPURequest(gpus=1, gpu_type=("A10", "L4"))
+    run = dask_gpu.submit(dask_client, record_devices, 0, request=request).result(timeout=60)
+    assert run["types"] == ["A10"]
+    with pytest.raises(InfeasibleRequest, match=r"gpu_type=\('L4', 'T4'\)"):
+        eligible_workers(GPURequest(gpus=1, gpu_type=("L4", "T4")), cluster_inventories(dask_client))

@@ -269,3 +269,20 @@ def test_runner_pickles_and_duplicates_with_every_argument():
     assert copy._max_workers == 7
     with pytest.raises(NoAdmissionContext, match="not started"):
         copy.session
+
+
+def test_fractional_ai_tasks_share_gpus_and_pay_their_share(gpu_cluster, sqlite_url):
+    @ai_task(gpus=0.5, gpu_memory_gb=30, gpu_type=["H100", "A100"], kind="inference", est_seconds=36)
+    def half(i):
+        time.sleep(0.2)
+        return where()
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url))
+    def f():
+        return [x.result() for x in half.map(range(6))]
+
+    runs = f()
+    assert all(types == ["H100"] and len(devices) == 1 for _, devices, types in runs)
+    admissions = [r for r in Ledger(sqlite_url).records() if r.kind == "admission"]
+    # 0.5 GPU x 36 s x 4.0/GPU-hour = 0.02 held per run.
+    assert [round(a.payload["estimate"]["amount"], 6) for a in admissions] == [0.02] * 6
