@@ -19,6 +19,7 @@ from typing import Any
 from uuid import UUID
 
 from distributed import Client, Future
+from distributed import KilledWorker
 from pydantic import BaseModel, ConfigDict
 
 from aisched_prefect.approvals import ApprovalRequest, Approver, PolicyApprover, PrefectPauseApprover
@@ -42,6 +43,7 @@ from dask_gpu import (
 logger = logging.getLogger("aisched_prefect")
 
 ARTIFACT_KEY = "aisched-evidence"
+INVENTORY_TTL_SECONDS = 5.0
 
 
 class Admission(BaseModel):
@@ -53,6 +55,7 @@ class Admission(BaseModel):
     workers: list[str]
     hold_ids: list[str]
     reserved: float
+    priced_type: str | None
 
 
 def _load(value: Any, cls: type, what: str) -> Any:
@@ -89,7 +92,7 @@ class RunnerSession:
             else:
                 self.cluster = LocalGPUCluster(declared=config.declared)
                 self.client = Client(self.cluster, set_as_default=False)
-            self.inventories: dict[str, WorkerInventory] = cluster_inventories(self.client)
+            self._refresh_inventories()
         except BaseException:
             self.close()
             raise
@@ -107,12 +110,23 @@ class RunnerSession:
             self.ledger.close()
 
     # -- admission ------------------------------------------------------------------
+    def _refresh_inventories(self) -> None:
+        self.inventories: dict[str, WorkerInventory] = cluster_inventories(self.client)
+        self._inventories_read_at = time.monotonic()
+
     def _placement(self, request: AIRequest) -> list[str]:
+        """Workers that could hold the request, from an inventory at most INVENTORY_TTL old.
+
+        Feasibility follows the cluster: workers that joined are seen within the
+        TTL, and an infeasible answer is always re-checked against a fresh read.
+        """
+        if time.monotonic() - self._inventories_read_at > INVENTORY_TTL_SECONDS:
+            self._refresh_inventories()
         gpu_request = request.gpu_request()
         try:
             return eligible_workers(gpu_request, self.inventories)
         except InfeasibleRequest:
-            self.inventories = cluster_inventories(self.client)  # workers may have joined
+            self._refresh_inventories()
             return eligible_workers(gpu_request, self.inventories)
 
     def _deny(self, stage: str, reason: str, fix: str, payload: dict[str, Any], ids: dict[str, Any]) -> AdmissionDenied:
@@ -185,7 +199,8 @@ class RunnerSession:
             admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
             grant_id=grant_id, expires_at=time.time() + self.config.ticket_ttl_seconds,
         )
-        return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount)
+        return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount,
+                         priced_type=estimate.gpu_type_priced)
 
     def _ask_person(self, ask: ApprovalRequest, held: list[Hold], payload: dict[str, Any],
                     ids: dict[str, Any]) -> EvidenceRecord:
@@ -209,6 +224,7 @@ class RunnerSession:
     def _execute(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
                  admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:
         hold_ids = admission.hold_ids
+        submitted = time.monotonic()
         future: Future = self.client.submit(
             run_admitted, admission.ticket, request, fn, args, kwargs,
             key=f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}",
@@ -221,7 +237,14 @@ class RunnerSession:
         except TicketRejected as exc:
             self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "ticket-rejected", "error": str(exc)}, **ids)
             raise
-        except BaseException as exc:  # worker died, cancelled, interrupted: outcome unknown, charge the hold
+        except KilledWorker as exc:  # the worker died mid-task: charge what can have run, at most the hold
+            ran = time.monotonic() - submitted
+            cost = min(admission.reserved, self.budget.actual_cost(
+                request.gpus, ran, admission.priced_type, request.est_tokens, request.model))
+            self.ledger.settle(hold_ids, cost, kind="settlement", payload={
+                **payload, "outcome": "worker-died", "error": f"{type(exc).__name__}: {exc}", "seconds": ran}, **ids)
+            raise
+        except BaseException as exc:  # cancelled, interrupted: outcome unknown, charge the hold
             self.ledger.settle(hold_ids, admission.reserved, kind="settlement",
                                payload={**payload, "outcome": "lost", "error": f"{type(exc).__name__}: {exc}"}, **ids)
             raise

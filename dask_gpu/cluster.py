@@ -21,6 +21,8 @@ class LocalGPUCluster(SpecCluster):
     process that advertises its declared devices; otherwise a single worker owns
     every device NVML finds (none, on a machine without GPUs). Either way the
     worker runs `dask_gpu.preload`, exactly as a remote `dask worker` would.
+    `allowed_failures=0` (Dask's default is 3) makes a task whose worker dies
+    fail with KilledWorker, so its retry goes through the caller's policy.
     """
 
     def __init__(
@@ -29,6 +31,7 @@ class LocalGPUCluster(SpecCluster):
         threads_per_worker: int | None = None,
         host: str = "127.0.0.1",
         silence_logs: int | bool = logging.WARNING,
+        allowed_failures: int = 0,
         **kwargs: Any,
     ) -> None:
         spec = declared if declared is not None else os.environ.get(DECLARED_ENV)
@@ -54,18 +57,25 @@ class LocalGPUCluster(SpecCluster):
             }
         scheduler = {
             "cls": Scheduler,
-            "options": {"host": host, "dashboard": False, "dashboard_address": None},
+            # A task whose worker dies fails at once (KilledWorker) instead of being re-run
+            # silently: the caller's retry policy decides, and each attempt is accounted.
+            "options": {"host": host, "dashboard": False, "dashboard_address": None,
+                        "allowed_failures": allowed_failures},
         }
         super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs, **kwargs)
 
 
-def _worker_inventory(dask_worker: Any) -> dict[str, Any]:
+def _worker_inventory(dask_worker: Any) -> tuple[str, dict[str, Any]]:
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     inv = plugin.inventory if isinstance(plugin, GPUWorkerPlugin) else WorkerInventory(source="none")
-    return inv.model_dump(mode="json")
+    return str(dask_worker.name), inv.model_dump(mode="json")
 
 
 def cluster_inventories(client: Client) -> dict[str, WorkerInventory]:
-    """Worker address -> inventory, for every worker connected now (one round trip)."""
+    """Worker name -> inventory, for every worker connected now (one round trip).
+
+    Keyed by name, not address: a worker that dies and is restarted by its
+    nanny keeps its name, so a placement restricted to it stays valid.
+    """
     raw = client.run(_worker_inventory)
-    return {addr: WorkerInventory.model_validate(inv) for addr, inv in raw.items()}
+    return {name: WorkerInventory.model_validate(inv) for name, inv in raw.values()}

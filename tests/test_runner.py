@@ -164,7 +164,7 @@ def test_infeasible_request_fails_fast_naming_the_largest_worker(gpu_cluster, sq
     stage, message = f()
     assert time.perf_counter() - t0 < 20
     assert stage == "feasibility"
-    assert re.search(r"gpus=8.*largest worker tcp://\S+ has 2 x H100 80 GB", message)
+    assert re.search(r"gpus=8.*largest worker gpu-worker-\d has 2 x H100 80 GB", message)
 
 
 def test_task_failure_is_settled_and_recorded(gpu_cluster, sqlite_url):
