@@ -256,7 +256,8 @@ class RunnerSession:
             **payload, "outcome": "completed" if out.ok else "failed",
             "error": None if out.ok else f"{type(out.error).__name__}: {out.error}",
             "placement": {"worker": run.worker, "host": run.host, "devices": run.device_keys,
-                          "gpu_type": run.gpu_type, "source": run.source},
+                          "gpu_type": run.gpu_type, "source": run.source,
+                          "live": None if run.live is None else {k: v.model_dump() for k, v in run.live.items()}},
             "seconds": run.seconds, "gpu_seconds": run.seconds * len(run.devices),
         }, **ids)
         if not out.ok:

@@ -1,6 +1,6 @@
 """GPU-aware Dask: inventories, GPU workers, device assignment. No Prefect needed."""
 
-from dask_gpu.cluster import LocalGPUCluster, cluster_inventories
+from dask_gpu.cluster import LocalGPUCluster, cluster_inventories, cluster_states
 from dask_gpu.errors import (
     DaskGPUError,
     DeviceUnavailable,
@@ -26,12 +26,14 @@ from dask_gpu.inventory import (
     nvml_inventory,
     parse_declared,
 )
+from dask_gpu.live import DeviceState
 from dask_gpu.request import GPURequest, eligible_workers, worker_restriction
 
 __all__ = [
     "DECLARED_ENV",
     "DaskGPUError",
     "DeviceRun",
+    "DeviceState",
     "DeviceUnavailable",
     "GPUDevice",
     "GPURequest",
@@ -41,6 +43,7 @@ __all__ = [
     "NotOnGPUWorker",
     "WorkerInventory",
     "cluster_inventories",
+    "cluster_states",
     "current_devices",
     "declared_worker_inventories",
     "discover",

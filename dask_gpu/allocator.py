@@ -13,10 +13,14 @@ fragmented across devices.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from dask_gpu.errors import DeviceUnavailable
 from dask_gpu.inventory import GPUDevice
+from dask_gpu.live import DeviceState
 from dask_gpu.request import GPURequest
+
+LiveState = Callable[[], "dict[str, DeviceState] | None"]
 
 _UNITS = 1_000_000  # fractions and MB as integers: no float drift in the books
 
@@ -24,8 +28,9 @@ _UNITS = 1_000_000  # fractions and MB as integers: no float drift in the books
 class DeviceAllocator:
     """Thread-safe assignment of a worker's devices to running tasks."""
 
-    def __init__(self, devices: tuple[GPUDevice, ...]) -> None:
+    def __init__(self, devices: tuple[GPUDevice, ...], live: LiveState | None = None) -> None:
         self._devices = devices
+        self._live = live
         self._fraction = {d.key: 0 for d in devices}  # in millionths of a device
         self._memory = {d.key: 0 for d in devices}  # in MB
         self._held: dict[str, list[tuple[GPUDevice, int, int]]] = {}
@@ -35,9 +40,19 @@ class DeviceAllocator:
     def _mb(gb: float) -> int:
         return int(round(gb * 1024))
 
+    def _really_free(self, request: GPURequest) -> Callable[[GPUDevice], bool]:
+        """Where live state is known, a device must also have the memory free that the request needs."""
+        live = self._live() if self._live is not None and request.gpu_memory_gb else None
+        if not live:
+            return lambda d: True
+        need = request.gpu_memory_gb or 0.0
+        return lambda d: d.key not in live or live[d.key].memory_free_gb >= need
+
     def _pick(self, request: GPURequest) -> list[tuple[GPUDevice, int, int]] | None:
+        really_free = self._really_free(request)
         if not request.fractional:
-            free = [d for d in self._devices if request.device_fits(d) and self._fraction[d.key] == 0]
+            free = [d for d in self._devices
+                    if request.device_fits(d) and self._fraction[d.key] == 0 and really_free(d)]
             if len(free) < request.devices_needed:
                 return None
             free.sort(key=lambda d: (d.memory_gb, d.index, d.mig or 0))  # keep big devices for big requests
@@ -48,7 +63,7 @@ class DeviceAllocator:
         for d in self._devices:
             memory = self._mb(request.memory_on(d))
             if (request.type_fits(d) and self._fraction[d.key] + share <= _UNITS
-                    and self._memory[d.key] + memory <= self._mb(d.memory_gb)):
+                    and self._memory[d.key] + memory <= self._mb(d.memory_gb) and really_free(d)):
                 fits.append((d, share, memory))
         if not fits:
             return None

@@ -9,6 +9,7 @@ from typing import Any
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from dask_gpu.inventory import DECLARED_ENV, WorkerInventory, parse_declared
+from dask_gpu.live import DeviceState
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
 
 PRELOAD = "dask_gpu.preload"
@@ -79,3 +80,16 @@ def cluster_inventories(client: Client) -> dict[str, WorkerInventory]:
     """
     raw = client.run(_worker_inventory)
     return {name: WorkerInventory.model_validate(inv) for name, inv in raw.values()}
+
+
+def _worker_states(dask_worker: Any) -> tuple[str, dict[str, Any] | None]:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    states = plugin.sample() if isinstance(plugin, GPUWorkerPlugin) else None
+    return str(dask_worker.name), None if states is None else {k: v.model_dump() for k, v in states.items()}
+
+
+def cluster_states(client: Client) -> dict[str, dict[str, DeviceState] | None]:
+    """Worker name -> live state of each device (None where devices are declared), one round trip."""
+    raw = client.run(_worker_states)
+    return {name: None if states is None else {k: DeviceState(**v) for k, v in states.items()}
+            for name, states in raw.values()}

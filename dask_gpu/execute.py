@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from dask_gpu.errors import NotOnGPUWorker
 from dask_gpu.cluster import cluster_inventories
 from dask_gpu.inventory import GPUDevice, WorkerInventory
+from dask_gpu.live import DeviceState
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
 from dask_gpu.request import GPURequest, worker_restriction
 
@@ -39,6 +40,7 @@ class DeviceRun(BaseModel):
     started_at: float
     seconds: float
     source: str = "none"
+    live: dict[str, DeviceState] | None = None  # NVML sample of its devices as it ended
 
     @property
     def device_keys(self) -> list[str]:
@@ -95,6 +97,7 @@ class DeviceLease:
         self.started_at = time.time()
         self._t0 = time.perf_counter()
         self.seconds: float | None = None
+        self.live: dict[str, DeviceState] | None = None
 
     def run(self) -> DeviceRun:
         seconds = self.seconds if self.seconds is not None else time.perf_counter() - self._t0
@@ -105,6 +108,7 @@ class DeviceLease:
             started_at=self.started_at,
             seconds=seconds,
             source=self.plugin.inventory.source if self.plugin else "none",
+            live=self.live,
         )
 
 
@@ -126,6 +130,9 @@ def hold_devices(request: GPURequest) -> Iterator[DeviceLease]:
         yield lease
     finally:
         lease.seconds = time.perf_counter() - lease._t0
+        if devices and plugin is not None:
+            states = plugin.sample()
+            lease.live = {d.key: states[d.key] for d in devices if d.key in states} if states else None
         _current_devices.reset(token)
         if devices and plugin is not None:
             plugin.allocator.release(key)

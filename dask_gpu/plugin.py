@@ -8,6 +8,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_gpu.allocator import DeviceAllocator
 from dask_gpu.inventory import WorkerInventory
+from dask_gpu.live import DeviceState, sample
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -22,7 +23,11 @@ class GPUWorkerPlugin(WorkerPlugin):
 
     def __init__(self, inventory: WorkerInventory) -> None:
         self.inventory = inventory
-        self.allocator = DeviceAllocator(inventory.devices)
+        self.allocator = DeviceAllocator(inventory.devices, live=self.sample)
+
+    def sample(self) -> dict[str, DeviceState] | None:
+        """Live per-device utilisation and memory (NVML), or None for declared devices."""
+        return sample(self.inventory)
 
     def setup(self, worker: Worker) -> None:
         self.worker_address = worker.address

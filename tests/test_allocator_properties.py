@@ -110,3 +110,26 @@ def test_fractions_share_a_device_only_while_memory_fits():
         raise AssertionError("a whole-GPU task shared a device")
     except DeviceUnavailable:
         pass
+
+
+def test_live_state_keeps_a_device_filled_by_another_process_out():
+    """Where NVML reports memory in use by someone else, the device is not handed out as free."""
+    from dask_gpu import DeviceState
+
+    devices = tuple(GPUDevice(index=i, uuid=f"GPU-{i}", name="A100", gpu_type="A100", memory_gb=40.0) for i in range(2))
+    live = {"0": DeviceState(key="0", utilization_pct=97.0, memory_used_gb=35.0, memory_free_gb=5.0),
+            "1": DeviceState(key="1", utilization_pct=0.0, memory_used_gb=0.5, memory_free_gb=39.5)}
+    alloc = DeviceAllocator(devices, live=lambda: live)
+    assert alloc.acquire("a", GPURequest(gpus=0.5, gpu_memory_gb=16), timeout=0)[0].key == "1"
+    try:
+        alloc.acquire("c", GPURequest(gpus=1, gpu_memory_gb=30), timeout=0)
+        raise AssertionError("device 0 has 5 GB free but was given to a 30 GB task")
+    except DeviceUnavailable:
+        pass
+
+
+def test_declared_devices_have_no_live_state():
+    from dask_gpu.live import sample
+    from dask_gpu.inventory import declared_worker_inventories
+
+    assert sample(declared_worker_inventories("2 H100")[0]) is None

@@ -131,3 +131,9 @@ def test_any_of_several_types(dask_client):
     assert run["types"] == ["A10"]
     with pytest.raises(InfeasibleRequest, match=r"gpu_type=\('L4', 'T4'\)"):
         eligible_workers(GPURequest(gpus=1, gpu_type=("L4", "T4")), cluster_inventories(dask_client))
+
+
+def test_live_state_is_readable_from_the_scheduler_side(dask_client):
+    states = dask_gpu.cluster_states(dask_client)
+    assert sorted(states) == ["gpu-worker-0", "gpu-worker-1", "gpu-worker-2"]
+    assert all(s is None for s in states.values())  # declared devices: no NVML to sample
