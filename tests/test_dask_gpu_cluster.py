@@ -84,32 +84,43 @@ def test_run_subprocess_sees_exactly_its_devices(dask_client):
     assert dask_client.gather(dask_gpu.submit(dask_client, child, request=GPURequest(gpus=2))) == "0,1"
 
 
-def test_dask_worker_cli_with_the_preload_joins_an_existing_scheduler(tmp_path):
-    """`dask worker ADDR --preload dask_gpu.preload`, as the README tells an operator to run it."""
+def test_worker_entry_points_join_an_existing_scheduler_as_separate_hosts():
+    """`dask worker --preload dask_gpu.preload` and `dask-gpu-worker --declared`, as the README tells operators."""
     import os
     import subprocess
     import sys
 
     from distributed import Client, LocalCluster
 
+    bin_dir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}  # the workers unpickle this module's functions
+    common = ["--nthreads", "2", "--host", "127.0.0.1", "--no-dashboard"]
     with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
             Client(cluster, set_as_default=False) as client:
-        dask = os.path.join(os.path.dirname(sys.executable), "dask")
-        worker = subprocess.Popen(
-            [dask, "worker", cluster.scheduler_address, "--nthreads", "2", "--host", "127.0.0.1",
-             "--no-dashboard", "--preload", "dask_gpu.preload"],
-            env={**os.environ, "DASK_GPU_DECLARED": "2 GPUs, 48 GB, L40S", "PYTHONPATH": os.path.dirname(__file__)},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        address = cluster.scheduler_address
+        workers = [
+            subprocess.Popen([os.path.join(bin_dir, "dask"), "worker", address, *common, "--name", "l40s-host",
+                              "--preload", "dask_gpu.preload"],
+                             env={**env, "DASK_GPU_DECLARED": "2 GPUs, 48 GB, L40S"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            subprocess.Popen([os.path.join(bin_dir, "dask-gpu-worker"), address, *common, "--name", "a100-host",
+                              "--declared", "4 GPUs, 40 GB, A100"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        ]
         try:
-            client.wait_for_workers(1, timeout=60)
-            (resources,) = [w["resources"] for w in client.scheduler_info()["workers"].values()]
-            assert resources == {"GPU": 2.0, "GPU-L40S": 2.0, "GPU-MEMORY-GB": 96.0}
-            run = dask_gpu.submit(client, record_devices, 0, request=GPURequest(gpus=2, gpu_type="L40S")).result(timeout=60)
-            assert run["devices"] == [0, 1] and run["types"] == ["L40S", "L40S"]
+            client.wait_for_workers(2, timeout=60)
+            invs = cluster_inventories(client)
+            assert {name: inv.describe() for name, inv in invs.items()} == {
+                "l40s-host": "2 x L40S 48 GB", "a100-host": "4 x A100 40 GB"}
+            l40s = dask_gpu.submit(client, record_devices, 0, request=GPURequest(gpus=2, gpu_type="L40S")).result(timeout=60)
+            a100 = dask_gpu.submit(client, record_devices, 0, request=GPURequest(gpus=3, gpu_memory_gb=40)).result(timeout=60)
+            assert l40s["types"] == ["L40S"] * 2 and a100["types"] == ["A100"] * 3
+            with pytest.raises(InfeasibleRequest, match="gpus=3, gpu_memory_gb=48"):
+                dask_gpu.submit(client, record_devices, 0, request=GPURequest(gpus=3, gpu_memory_gb=48))
         finally:
-            worker.terminate()
-            worker.wait(timeout=30)
+            for w in workers:
+                w.terminate()
+                w.wait(timeout=30)
 
 
 @pytest.mark.parametrize("memory, per_device", [(30.0, 2), (50.0, 1)])

@@ -1,4 +1,4 @@
-"""A worker process is killed for real mid-task: the task is retried, nothing stays held, each attempt is charged once."""
+"""Workers joining and dying under a running flow: feasibility follows them, nothing stays held, each attempt is charged once."""
 
 from __future__ import annotations
 
@@ -73,3 +73,54 @@ def test_killed_worker_task_is_retried_and_charged_once_per_attempt(tmp_path, sq
     assert account["pending"] == 0
     assert account["posted"] == pytest.approx(died["settlements"][0]["charged"] + done["settlements"][0]["charged"], abs=1e-5)
     assert ledger.verify().ok
+
+
+def test_feasibility_follows_a_worker_joining(sqlite_url):
+    """A request no worker can hold fails at once; once a host that can hold it joins, it runs."""
+    import subprocess
+    import sys
+
+    from distributed import Client, LocalCluster
+
+    from aisched_prefect import AdmissionDenied
+
+    @ai_task(gpus=1, gpu_type="L40S", kind="inference", est_seconds=5)
+    def on_l40s():
+        from dask_gpu import current_devices
+
+        return [d.gpu_type for d in current_devices()]
+
+    def start_worker(address: str, declared: str, name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "dask-gpu-worker"), address, "--nthreads", "2",
+             "--host", "127.0.0.1", "--no-dashboard", "--name", name, "--declared", declared],
+            env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        address = cluster.scheduler_address
+        workers = [start_worker(address, "2 GPUs, 80 GB, H100", "h100-host")]
+        try:
+            client.wait_for_workers(1, timeout=60)
+            budget_with_l40s = runner(address, sqlite_url).config.budget.model_copy(
+                update={"gpu_hour_prices": {"H100": 4.0, "L40S": 2.0}})
+
+            @flow(task_runner=runner(address, sqlite_url, budget=budget_with_l40s))
+            def f():
+                try:
+                    on_l40s()
+                    raise AssertionError("admitted with no L40S in the cluster")
+                except AdmissionDenied as exc:
+                    first = exc.stage, str(exc)
+                workers.append(start_worker(address, "1 GPU, 48 GB, L40S", "l40s-host"))
+                client.wait_for_workers(2, timeout=60)
+                return first, on_l40s()
+
+            (stage, message), types = f()
+            assert stage == "feasibility" and "largest worker h100-host has 2 x H100 80 GB" in message
+            assert types == ["L40S"]
+        finally:
+            for w in workers:
+                w.terminate()
+                w.wait(timeout=30)
