@@ -60,7 +60,7 @@ class LocalGPUCluster(SpecCluster):
             "cls": Scheduler,
             # A task whose worker dies fails at once (KilledWorker) instead of being re-run
             # silently: the caller's retry policy decides, and each attempt is accounted.
-            "options": {"host": host, "dashboard": False, "dashboard_address": None,
+            "options": {"host": host, "dashboard": False, "dashboard_address": ":0",
                         "allowed_failures": allowed_failures},
         }
         super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs, **kwargs)

@@ -133,3 +133,23 @@ def test_declared_devices_have_no_live_state():
     from dask_gpu.inventory import declared_worker_inventories
 
     assert sample(declared_worker_inventories("2 H100")[0]) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(hosts=st.lists(devices_st, min_size=1, max_size=4), request=request_st)
+def test_feasibility_agrees_with_what_an_idle_worker_can_hold(hosts, request):
+    """Infeasible fails fast exactly when no idle worker of the multi-host cluster could take the request."""
+    from dask_gpu import InfeasibleRequest, eligible_workers
+
+    inventories = {f"host-{i}": WorkerInventory(devices=devices) for i, devices in enumerate(hosts)}
+    could = set()
+    for name, inv in inventories.items():
+        try:
+            DeviceAllocator(inv.devices).acquire("probe", request, timeout=0)
+            could.add(name)
+        except DeviceUnavailable:
+            pass
+    try:
+        assert set(eligible_workers(request, inventories)) == could
+    except InfeasibleRequest:
+        assert could == set()

@@ -97,7 +97,7 @@ def test_feasibility_follows_a_worker_joining(sqlite_url):
             env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
+    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=":0") as cluster, \
             Client(cluster, set_as_default=False) as client:
         address = cluster.scheduler_address
         workers = [start_worker(address, "2 GPUs, 80 GB, H100", "h100-host")]

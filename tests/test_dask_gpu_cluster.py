@@ -95,7 +95,7 @@ def test_worker_entry_points_join_an_existing_scheduler_as_separate_hosts():
     bin_dir = os.path.dirname(sys.executable)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}  # the workers unpickle this module's functions
     common = ["--nthreads", "2", "--host", "127.0.0.1", "--no-dashboard"]
-    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
+    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=":0") as cluster, \
             Client(cluster, set_as_default=False) as client:
         address = cluster.scheduler_address
         workers = [
