@@ -22,6 +22,7 @@ from aisched_prefect.report import evidence_rows
 from aisched_prefect.request import AIRequest
 from aisched_prefect.runner import AISchedTaskRunner
 from aisched_prefect.task import ai_task, request_of
+from aisched_prefect.worker import task_logger
 from dask_gpu import current_devices, run_subprocess
 
 __all__ = [
@@ -47,5 +48,6 @@ __all__ = [
     "evidence_rows",
     "request_of",
     "run_subprocess",
+    "task_logger",
     "verify_chain",
 ]

@@ -251,6 +251,12 @@ class RunnerSession:
         finally:
             future.release()
         run = out.run
+        if out.logs:
+            from prefect.logging import get_run_logger
+
+            task_log = get_run_logger()
+            for level, message in out.logs:
+                task_log.log(level, message)
         actual = self.budget.actual_cost(request.gpus, run.seconds, run.gpu_type, request.est_tokens, request.model)
         self.ledger.settle(hold_ids, actual, kind="settlement", payload={
             **payload, "outcome": "completed" if out.ok else "failed",

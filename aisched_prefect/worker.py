@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -36,6 +38,37 @@ class WorkerOutcome(BaseModel):
     error: BaseException | None = None
     error_text: str = ""
     run: DeviceRun
+    logs: list[tuple[int, str]] = []  # (level, message) the task logged, replayed into its Prefect task run
+
+
+TASK_LOGGER = "aisched.task"
+
+
+def task_logger() -> logging.Logger:
+    """Logger for code inside an AI task body: its records reach the Prefect UI under the task run.
+
+    `prefect.get_run_logger()` needs the task-run context, which stays in the
+    flow process; the body runs on a Dask worker. Records at INFO and above
+    that the task's thread emits (through this logger or any logger that
+    reaches the root) are sent back with the result and logged there.
+    """
+    logger = logging.getLogger(TASK_LOGGER)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return logger
+
+
+class _ThreadLogCapture(logging.Handler):
+    """Collects the records of one thread (the task's), leaving Dask's own logs alone."""
+
+    def __init__(self, thread_id: int) -> None:
+        super().__init__(logging.INFO)
+        self.thread_id = thread_id
+        self.records: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread_id and not record.name.startswith(("distributed", "tornado", "asyncio")):
+            self.records.append((record.levelno, record.getMessage()))
 
 
 def check_ticket(ticket: AdmissionTicket | None, request: AIRequest) -> None:
@@ -51,9 +84,15 @@ def run_admitted(ticket: AdmissionTicket | None, request: AIRequest, fn: Callabl
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerOutcome:
     """Dask task body of every AI task run. No ticket, no run."""
     check_ticket(ticket, request)
-    with hold_devices(request.gpu_request()) as lease:
-        try:
-            value, ok, error, text = fn(*args, **kwargs), True, None, ""
-        except Exception as exc:  # returned, not raised: settlement needs `lease.run()` too
-            value, ok, error, text = None, False, exc, traceback.format_exc()
-    return WorkerOutcome(ok=ok, value=value, error=error, error_text=text, run=lease.run())
+    capture = _ThreadLogCapture(threading.get_ident())
+    root = logging.getLogger()
+    root.addHandler(capture)
+    try:
+        with hold_devices(request.gpu_request()) as lease:
+            try:
+                value, ok, error, text = fn(*args, **kwargs), True, None, ""
+            except Exception as exc:  # returned, not raised: settlement needs `lease.run()` too
+                value, ok, error, text = None, False, exc, traceback.format_exc()
+    finally:
+        root.removeHandler(capture)
+    return WorkerOutcome(ok=ok, value=value, error=error, error_text=text, run=lease.run(), logs=capture.records)

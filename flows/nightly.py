@@ -18,7 +18,15 @@ from prefect.context import FlowRunContext
 from rich.console import Console
 from rich.table import Table
 
-from aisched_prefect import AISchedTaskRunner, Ledger, ai_task, current_devices, evidence_rows, run_subprocess
+from aisched_prefect import (
+    AISchedTaskRunner,
+    Ledger,
+    ai_task,
+    current_devices,
+    evidence_rows,
+    run_subprocess,
+    task_logger,
+)
 from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, Grant
 
 DECLARED = os.environ.get("DASK_GPU_DECLARED", "2 workers x 2 GPUs, 80 GB, H100")
@@ -38,6 +46,7 @@ def prepare_data(n_shards: int) -> list[list[int]]:
 
 @ai_task(gpus=2, gpu_type="H100", kind="training", model="demo-embedder", est_seconds=20)
 def train(shards: list[list[int]]) -> dict:
+    task_logger().info("training on devices %s", [d.key for d in current_devices()])  # shows in the Prefect UI
     # A real trainer is a subprocess (torchrun, deepspeed) that must see exactly its GPUs.
     seen = run_subprocess([sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
                           capture_output=True, text=True, check=True).stdout.strip()

@@ -286,3 +286,34 @@ def test_fractional_ai_tasks_share_gpus_and_pay_their_share(gpu_cluster, sqlite_
     admissions = [r for r in Ledger(sqlite_url).records() if r.kind == "admission"]
     # 0.5 GPU x 36 s x 4.0/GPU-hour = 0.02 held per run.
     assert [round(a.payload["estimate"]["amount"], 6) for a in admissions] == [0.02] * 6
+
+
+def test_logs_from_the_task_body_reach_its_prefect_task_run(gpu_cluster, sqlite_url):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+    from aisched_prefect import task_logger
+
+    @ai_task(gpus=1, kind="inference", est_seconds=5)
+    def chatty():
+        from prefect.context import TaskRunContext
+
+        # WARNING: the tests run Prefect at PREFECT_LOGGING_LEVEL=WARNING, and the replay respects it.
+        task_logger().warning("working on device %s", current_devices()[0].key)
+        return TaskRunContext.get()  # None: the body runs on the worker, outside the task-run context
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url))
+    def f():
+        state = chatty(return_state=True)
+        return state.state_details.task_run_id, state.result()
+
+    task_run_id, context_on_worker = f()
+    assert context_on_worker is None
+    deadline = time.time() + 30
+    messages: list[str] = []
+    while time.time() < deadline and not any("working on device" in m for m in messages):
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
+        messages = [log.message for log in logs]
+        time.sleep(0.5)
+    assert any(m.startswith("working on device ") for m in messages), messages
