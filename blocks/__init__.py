@@ -3,6 +3,7 @@
 from blocks.approval import ApprovalOutcome, ApprovalPolicyBlock, ApprovalRule, evaluate
 from blocks.authority import AuthorityBlock, AuthorityDecision, Grant, authorize
 from blocks.budget import BudgetBlock, CostEstimate, UnpriceableRequest, period_key
+from blocks.delegation import DelegationRefused, delegate, violations
 from blocks.facts import RunFacts
 
 __all__ = [
@@ -13,10 +14,13 @@ __all__ = [
     "AuthorityDecision",
     "BudgetBlock",
     "CostEstimate",
+    "DelegationRefused",
     "Grant",
     "RunFacts",
     "UnpriceableRequest",
     "authorize",
+    "delegate",
     "evaluate",
     "period_key",
+    "violations",
 ]

@@ -28,6 +28,10 @@ class Grant(BaseModel):
     max_cost_per_run: float = Field(default=0.0, ge=0, description="Most estimated cost one run may have, in the budget's currency.")
     expires_at: datetime | None = Field(default=None, description="After this instant the grant authorizes nothing.")
     revoked: bool = Field(default=False, description="A revoked grant authorizes nothing.")
+    budget_share: float = Field(default=1.0, ge=0, le=1, description="Largest share of each covering budget this grant's runs may hold, from 0 to 1.")
+    can_delegate: bool = Field(default=False, description="Whether the holder may delegate narrower grants to others.")
+    can_approve: bool = Field(default=False, description="Whether the holder may approve runs within this grant's scope.")
+    parent: str | None = Field(default=None, description="Id of the grant this one was delegated from; empty for a root grant.")
 
     def covers_principal(self, principal: str) -> bool:
         return fnmatch.fnmatchcase(principal, self.principal)
@@ -37,10 +41,8 @@ class Grant(BaseModel):
         now = now or datetime.now(timezone.utc)
         if self.revoked:
             return f"grant {self.id!r} is revoked"
-        if self.expires_at is not None:
-            expires = self.expires_at if self.expires_at.tzinfo else self.expires_at.replace(tzinfo=timezone.utc)
-            if now >= expires:
-                return f"grant {self.id!r} expired at {expires.isoformat()}"
+        if self.expires_at is not None and now >= utc(self.expires_at):
+            return f"grant {self.id!r} expired at {utc(self.expires_at).isoformat()}"
         if not _allowed(facts.kind, self.kinds):
             return f"grant {self.id!r} allows kinds {self.kinds}, not kind={facts.kind!r}"
         if facts.model is not None and not _allowed(facts.model, self.models):
@@ -57,6 +59,11 @@ class Grant(BaseModel):
                 f"not an estimated {facts.est_cost:.4f}"
             )
         return None
+
+
+def utc(moment: datetime) -> datetime:
+    """Naive datetimes in grants are read as UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
 def _allowed(value: str, allowed: list[str]) -> bool:
