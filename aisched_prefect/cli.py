@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Optional
 
 import typer
@@ -16,6 +17,8 @@ evidence_app = typer.Typer(help="The hash-chained evidence log.", no_args_is_hel
 budget_app = typer.Typer(help="Budget accounts in the ledger.", no_args_is_help=True)
 app.add_typer(evidence_app, name="evidence")
 app.add_typer(budget_app, name="budget")
+grants_app = typer.Typer(help="Delegate, revoke and list grants.", no_args_is_help=True)
+app.add_typer(grants_app, name="grants")
 console = Console()
 
 LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL (default: AISCHED_LEDGER_URL or ~/.aisched/ledger.db).")
@@ -65,6 +68,64 @@ def budget_show(ledger: Optional[str] = LedgerOpt) -> None:
     """Limit, posted, pending and remaining for each budget and period."""
     rows = Ledger(ledger).accounts()
     console.print(_table("budgets", rows, ["budget", "period", "limit", "posted", "pending", "remaining"]))
+
+
+def _names(value: Optional[str]) -> Optional[list[str]]:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+@grants_app.command("delegate")
+def grants_delegate(
+    parent: str = typer.Argument(..., help="Id of the grant to delegate from."),
+    id: str = typer.Option(..., "--id", help="Id of the new grant."),
+    to: str = typer.Option(..., "--to", help="Principal that receives it, e.g. team-a/nightly."),
+    by: str = typer.Option(..., "--by", help="Who delegates (recorded in the evidence)."),
+    authority: str = typer.Option(..., help="AuthorityBlock at the root of the parent's chain (needs the Prefect API)."),
+    kinds: Optional[str] = typer.Option(None, help="Comma-separated kinds, within the parent's."),
+    models: Optional[str] = typer.Option(None, help="Comma-separated models, within the parent's."),
+    gpu_types: Optional[str] = typer.Option(None, "--gpu-types", help="Comma-separated GPU types, within the parent's."),
+    max_gpus: Optional[int] = typer.Option(None, "--max-gpus"),
+    max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Max cost per run."),
+    budget_share: Optional[float] = typer.Option(None, "--budget-share"),
+    expires: Optional[datetime] = typer.Option(None, help="Expiry (ISO 8601, UTC unless given)."),
+    can_delegate: bool = typer.Option(False, "--can-delegate"),
+    can_approve: bool = typer.Option(False, "--can-approve"),
+    ledger: Optional[str] = LedgerOpt,
+) -> None:
+    """Delegate a narrower grant; anything wider than the parent is refused, naming the dimension."""
+    from aisched_prefect.grants import delegate_grant
+    from blocks import ChainBroken, DelegationRefused
+
+    given = {"kinds": _names(kinds), "models": _names(models), "gpu_types": _names(gpu_types), "max_gpus": max_gpus,
+             "max_cost_per_run": max_cost, "budget_share": budget_share, "expires_at": expires}
+    dims = {k: v for k, v in given.items() if v is not None}
+    try:
+        child = delegate_grant(parent, id=id, principal=to, by=by, authority=authority, ledger=Ledger(ledger),
+                               can_delegate=can_delegate, can_approve=can_approve, **dims)
+    except (DelegationRefused, ChainBroken) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1)
+    console.print(f"delegated [bold]{child.id}[/bold] to {child.principal} from {parent}")
+
+
+@grants_app.command("revoke")
+def grants_revoke(grant_id: str, by: str = typer.Option(..., "--by"), reason: str = typer.Option(..., "--reason"),
+                  ledger: Optional[str] = LedgerOpt) -> None:
+    """Revoke a grant and everything delegated from it, from the next admission on."""
+    from aisched_prefect.grants import revoke_grant
+
+    first = revoke_grant(grant_id, by=by, reason=reason, ledger=Ledger(ledger))
+    console.print(f"revoked {grant_id}" if first else f"{grant_id} was already revoked")
+
+
+@grants_app.command("list")
+def grants_list(ledger: Optional[str] = LedgerOpt) -> None:
+    """Delegated grants in the ledger and whether they are revoked."""
+    store = Ledger(ledger)
+    revoked = store.revoked_ids()
+    rows = [{**g.model_dump(), "revoked": g.id in revoked} for g in store.delegated_grants().values()]
+    console.print(_table("delegated grants", rows, ["id", "parent", "principal", "kinds", "gpu_types", "max_gpus",
+                                                    "max_cost_per_run", "expires_at", "can_delegate", "revoked"]))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,6 +15,7 @@ class RunnerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     principal: str = Field(min_length=1)
+    grant: str | None = None
     authority: str | AuthorityBlock
     budget: str | BudgetBlock
     approval_policy: str | ApprovalPolicyBlock | None = None

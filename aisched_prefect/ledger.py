@@ -23,11 +23,12 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.engine import Connection, Engine
 
+from blocks import Grant
 from aisched_prefect.evidence import GENESIS, ChainReport, EvidenceRecord, canonical, chain_hash, verify_chain
 
 LEDGER_URL_ENV = "AISCHED_LEDGER_URL"
 HOME_ENV = "AISCHED_HOME"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: delegated grants and revocations
 MICROS = 1_000_000
 
 metadata = sa.MetaData()
@@ -69,6 +70,24 @@ evidence = sa.Table(
     sa.Column("payload", sa.JSON, nullable=False),
     sa.Column("prev_hash", sa.String(64), nullable=False),
     sa.Column("hash", sa.String(64), nullable=False),
+)
+
+grants = sa.Table(
+    "aisched_grants", metadata,
+    sa.Column("id", sa.String(200), primary_key=True),
+    sa.Column("parent", sa.String(200), nullable=False),
+    sa.Column("principal", sa.String(200), nullable=False),
+    sa.Column("body", sa.JSON, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("created_by", sa.String(200), nullable=False),
+)
+
+revocations = sa.Table(
+    "aisched_revocations", metadata,
+    sa.Column("grant_id", sa.String(200), primary_key=True),
+    sa.Column("revoked_at", sa.Float, nullable=False),
+    sa.Column("revoked_by", sa.String(200), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
 )
 
 chain_head = sa.Table(
@@ -144,7 +163,7 @@ def default_url() -> str:
     return f"sqlite:///{home / 'ledger.db'}"
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, for_writes: bool = True) -> Engine:
     if url.startswith("sqlite"):
         engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
 
@@ -159,7 +178,7 @@ def make_engine(url: str) -> Engine:
 
         @sa.event.listens_for(engine, "begin")
         def _sqlite_begin(conn: Connection) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if for_writes else "BEGIN")
 
         return engine
     if url.startswith("postgresql://"):
@@ -278,6 +297,8 @@ class Ledger:
         self.url = url or default_url()
         self.engine = make_engine(self.url)
         self._locking = self.engine.dialect.name != "sqlite"
+        # Reads need no write lock: SQLite in WAL mode lets them run beside the writer.
+        self.reader = make_engine(self.url, for_writes=False) if not self._locking else self.engine
         self._write_lock = threading.Lock()
         self._queue: list[_Pending] = []
         self._queue_lock = threading.Lock()
@@ -285,6 +306,7 @@ class Ledger:
 
     def close(self) -> None:
         self.engine.dispose()
+        self.reader.dispose()
 
     # -- schema -------------------------------------------------------------------------
     def _migrate(self) -> None:
@@ -299,6 +321,8 @@ class Ledger:
                     f"ledger {self.url} has schema version {version}, newer than this aisched-prefect "
                     f"({SCHEMA_VERSION}): upgrade aisched-prefect"
                 )
+            elif version < SCHEMA_VERSION:  # every migration so far only adds tables (created above)
+                conn.execute(schema_version.update().values(version=SCHEMA_VERSION))
 
     # -- group commit -------------------------------------------------------------------
     def _write(self, op: Callable[[_WriteBatch], Any]) -> Any:
@@ -341,17 +365,21 @@ class Ledger:
         return self._write(lambda w: w.append(kind, payload, ids))
 
     def records(self, flow_run_id: str | None = None) -> list[EvidenceRecord]:
+        with self.reader.connect() as conn:
+            return self._records(conn, flow_run_id)
+
+    @staticmethod
+    def _records(conn: Connection, flow_run_id: str | None = None) -> list[EvidenceRecord]:
         q = sa.select(evidence).order_by(evidence.c.seq)
         if flow_run_id is not None:
             q = q.where(evidence.c.flow_run_id == flow_run_id)
-        with self.engine.connect() as conn:
-            # Rows come from our own table: construct without re-validating (the chain check is the validation).
-            return [EvidenceRecord.model_construct(**row._mapping) for row in conn.execute(q)]
+        # Rows come from our own table: construct without re-validating (the chain check is the validation).
+        return [EvidenceRecord.model_construct(**row._mapping) for row in conn.execute(q)]
 
     def verify(self) -> ChainReport:
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:  # one snapshot: the head and the log it should end at
             head = conn.execute(sa.select(chain_head.c.seq, chain_head.c.hash)).first()
-        return verify_chain(self.records(), tuple(head) if head else None)
+            return verify_chain(self._records(conn), tuple(head) if head else None)
 
     # -- budget -------------------------------------------------------------------------
     def reserve(self, lines: list[BudgetLine], amount: float, *, kind: str, payload: dict[str, Any],
@@ -422,8 +450,46 @@ class Ledger:
 
         return self._write(op)
 
+    # -- delegated grants and revocations ------------------------------------------------
+    def add_grant(self, grant: Grant, *, by: str) -> EvidenceRecord:
+        """Store a delegated grant (already checked against its parent) and record the delegation."""
+        if grant.parent is None:
+            raise ValueError(f"grant {grant.id!r} has no parent: root grants live in the AuthorityBlock")
+
+        def op(w: _WriteBatch) -> EvidenceRecord:
+            if w.conn.execute(sa.select(grants.c.id).where(grants.c.id == grant.id)).first() is not None:
+                raise LookupError(f"a grant {grant.id!r} already exists: choose another id")
+            w.conn.execute(grants.insert().values(
+                id=grant.id, parent=grant.parent, principal=grant.principal,
+                body=grant.model_dump(mode="json"), created_at=time.time(), created_by=by))
+            return w.append("delegation", {"grant": grant.model_dump(mode="json"), "by": by},
+                            {"flow_run_id": None, "task_run_id": None, "principal": by})
+
+        return self._write(op)
+
+    def revoke(self, grant_id: str, *, by: str, reason: str) -> EvidenceRecord | None:
+        """Revoke a grant (root or delegated) and so everything delegated from it; once."""
+
+        def op(w: _WriteBatch) -> EvidenceRecord | None:
+            if w.conn.execute(sa.select(revocations.c.grant_id).where(revocations.c.grant_id == grant_id)).first():
+                return None
+            w.conn.execute(revocations.insert().values(grant_id=grant_id, revoked_at=time.time(),
+                                                       revoked_by=by, reason=reason))
+            return w.append("revocation", {"grant": grant_id, "by": by, "reason": reason},
+                            {"flow_run_id": None, "task_run_id": None, "principal": by})
+
+        return self._write(op)
+
+    def delegated_grants(self) -> dict[str, Grant]:
+        with self.reader.connect() as conn:
+            return {row.id: Grant.model_validate(row.body) for row in conn.execute(sa.select(grants.c.id, grants.c.body))}
+
+    def revoked_ids(self) -> set[str]:
+        with self.reader.connect() as conn:
+            return set(conn.execute(sa.select(revocations.c.grant_id)).scalars())
+
     def account(self, budget: str, period: str) -> dict[str, float] | None:
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             row = conn.execute(sa.select(accounts).where(
                 (accounts.c.budget == budget) & (accounts.c.period == period))).first()
         if row is None:
@@ -434,7 +500,7 @@ class Ledger:
                 "remaining": from_micros(m["limit_micros"] - m["pending_micros"] - m["posted_micros"])}
 
     def accounts(self) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             rows = conn.execute(sa.select(accounts).order_by(accounts.c.budget, accounts.c.period)).all()
         return [{"budget": r.budget, "period": r.period, "limit": from_micros(r.limit_micros),
                  "pending": from_micros(r.pending_micros), "posted": from_micros(r.posted_micros),

@@ -26,6 +26,9 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         principal: who this flow acts as, e.g. "team-a/nightly".
         authority: name of an AuthorityBlock (or the block itself).
         budget: name of a BudgetBlock (or the block itself).
+        grant: id of the grant this flow acts under (a root grant or one delegated to the
+            principal); its whole chain is checked at every admission. None: the first root
+            grant for the principal that covers the run.
         approval_policy: name of an ApprovalPolicyBlock; None approves without asking.
         approver: "pause" (Prefect pause + UI form), "policy" (no person), or an Approver.
         address: an existing Dask scheduler; None starts a LocalGPUCluster per flow run.
@@ -39,6 +42,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         principal: str,
         authority: str | AuthorityBlock,
         budget: str | BudgetBlock,
+        grant: str | None = None,
         approval_policy: str | ApprovalPolicyBlock | None = None,
         approver: Any = "pause",
         address: str | None = None,
@@ -49,7 +53,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
     ) -> None:
         try:
             self._config = RunnerConfig(
-                principal=principal, authority=authority, budget=budget, approval_policy=approval_policy,
+                principal=principal, authority=authority, budget=budget, grant=grant, approval_policy=approval_policy,
                 approver=approver, address=address, declared=declared, ledger_url=ledger_url,
                 max_workers=max_workers, ticket_ttl_seconds=ticket_ttl_seconds,
             )

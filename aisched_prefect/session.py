@@ -30,7 +30,18 @@ from aisched_prefect.ledger import BudgetExceeded, BudgetLine, Hold, Ledger
 from aisched_prefect.report import evidence_rows
 from aisched_prefect.request import AIRequest
 from aisched_prefect.worker import AdmissionTicket, WorkerOutcome, run_admitted
-from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock, RunFacts, UnpriceableRequest, period_key
+from blocks import (
+    ApprovalPolicyBlock,
+    AuthorityBlock,
+    BudgetBlock,
+    ChainBroken,
+    Grant,
+    RunFacts,
+    UnpriceableRequest,
+    authorize,
+    period_key,
+    resolve_chain,
+)
 from dask_gpu import (
     InfeasibleRequest,
     LocalGPUCluster,
@@ -44,6 +55,7 @@ logger = logging.getLogger("aisched_prefect")
 
 ARTIFACT_KEY = "aisched-evidence"
 INVENTORY_TTL_SECONDS = 5.0
+BLOCK_TTL_SECONDS = 5.0
 
 
 class Admission(BaseModel):
@@ -76,6 +88,7 @@ class RunnerSession:
     def __init__(self, config: RunnerConfig) -> None:
         self.config = config
         self.authority: AuthorityBlock = _load(config.authority, AuthorityBlock, "authority")
+        self._authority_read_at = time.monotonic()
         self.budget: BudgetBlock = _load(config.budget, BudgetBlock, "budget")
         self.policy: ApprovalPolicyBlock | None = _load(config.approval_policy, ApprovalPolicyBlock, "approval_policy")
         self.authority_name = config.authority if isinstance(config.authority, str) else "inline"
@@ -129,6 +142,36 @@ class RunnerSession:
             self._refresh_inventories()
             return eligible_workers(gpu_request, self.inventories)
 
+    def _roots(self) -> dict[str, Grant]:
+        """Root grants, re-read from the AuthorityBlock at most every BLOCK_TTL_SECONDS (edits in the UI apply)."""
+        if isinstance(self.config.authority, str) and time.monotonic() - self._authority_read_at > BLOCK_TTL_SECONDS:
+            self.authority = _load(self.config.authority, AuthorityBlock, "authority")
+            self._authority_read_at = time.monotonic()
+        return {g.id: g for g in self.authority.grants}
+
+    def _authorize(self, facts: RunFacts) -> tuple[list[Grant] | None, str]:
+        """The chain of grants, root first, that authorizes this run; or None and why not.
+
+        Revocations are read from the ledger on every admission, so one applies
+        to the next admission at once and cascades down every chain through it.
+        With `grant=` the run acts under exactly that grant's chain; without it,
+        under the first root grant for the principal that covers it.
+        """
+        revoked = self.ledger.revoked_ids()
+        roots = {gid: g.model_copy(update={"revoked": True}) if gid in revoked else g for gid, g in self._roots().items()}
+        if self.config.grant is None:
+            decision = authorize(list(roots.values()), facts)
+            return ([decision.grant], "") if decision.grant else (None, "; ".join(decision.reasons))
+        try:
+            chain = resolve_chain(self.config.grant, roots, self.ledger.delegated_grants(), revoked)
+        except ChainBroken as exc:
+            return None, f"grant chain of {self.config.grant!r} is broken: {exc}"
+        leaf = chain[-1]
+        if not leaf.covers_principal(facts.principal):
+            return None, f"grant {leaf.id!r} is for {leaf.principal!r}, not for principal {facts.principal!r}"
+        why = leaf.refusal(facts)
+        return (chain, "") if why is None else (None, why)
+
     def _deny(self, stage: str, reason: str, fix: str, payload: dict[str, Any], ids: dict[str, Any]) -> AdmissionDenied:
         self.ledger.record("denial", {**payload, "stage": stage, "reason": reason, "fix": fix}, **ids)
         return AdmissionDenied(stage, reason, fix)
@@ -163,14 +206,14 @@ class RunnerSession:
             gpu_types=tuple(types),
             est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount,
         )
-        decision = self.authority.authorize(facts)
-        if decision.grant is None:
-            raise self._deny(
-                "authority", "; ".join(decision.reasons),
-                f"add or widen a grant for {self.config.principal!r} in AuthorityBlock {self.authority_name!r}",
-                payload, ids,
-            ) from None
-        grant_id = payload["grant"] = decision.grant.id
+        chain, refusal = self._authorize(facts)
+        if chain is None:
+            fix = (f"delegate a grant that covers this run to {self.config.principal!r} (aisched grants delegate)"
+                   if self.config.grant else
+                   f"add or widen a grant for {self.config.principal!r} in AuthorityBlock {self.authority_name!r}")
+            raise self._deny("authority", refusal, fix, payload, ids) from None
+        grant_id = payload["grant"] = chain[-1].id
+        payload["chain"] = [g.id for g in chain]
         outcome = self.policy.evaluate(facts) if self.policy else None
         payload["approval_rule"] = outcome.rule if outcome else None
         if outcome is not None and outcome.action == "deny":

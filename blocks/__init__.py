@@ -3,7 +3,7 @@
 from blocks.approval import ApprovalOutcome, ApprovalPolicyBlock, ApprovalRule, evaluate
 from blocks.authority import AuthorityBlock, AuthorityDecision, Grant, authorize
 from blocks.budget import BudgetBlock, CostEstimate, UnpriceableRequest, period_key
-from blocks.delegation import DelegationRefused, delegate, violations
+from blocks.delegation import ChainBroken, DelegationRefused, delegate, resolve_chain, violations
 from blocks.facts import RunFacts
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "AuthorityBlock",
     "AuthorityDecision",
     "BudgetBlock",
+    "ChainBroken",
     "CostEstimate",
     "DelegationRefused",
     "Grant",
@@ -22,5 +23,6 @@ __all__ = [
     "delegate",
     "evaluate",
     "period_key",
+    "resolve_chain",
     "violations",
 ]

@@ -78,3 +78,42 @@ def delegate(parent: Grant, *, id: str, principal: str, now: datetime | None = N
         dimension, reason = wider[0]
         raise DelegationRefused(dimension, f"{reason} (grant {parent.id!r} -> {id!r})")
     return child
+
+
+class ChainBroken(ValueError):
+    """No valid chain of grants leads from a root to the grant a run acts under."""
+
+
+def resolve_chain(leaf_id: str, roots: dict[str, Grant], delegated: dict[str, Grant], revoked: set[str],
+                  now: datetime | None = None) -> list[Grant]:
+    """The chain root -> ... -> leaf, checked link by link; raise ChainBroken naming the broken link.
+
+    Each link must exist, be unrevoked (in the grant or in `revoked`, so a
+    revocation cascades to everything below it) and unexpired, and be within
+    its parent on every dimension: a stored grant that was widened after the
+    fact breaks its chain too.
+    """
+    now = now or datetime.now(timezone.utc)
+    chain: list[Grant] = []
+    current: str | None = leaf_id
+    while current is not None:
+        grant = roots.get(current) or delegated.get(current)  # a stored grant never shadows a root
+        if grant is None:
+            raise ChainBroken(f"grant {current!r} does not exist")
+        if grant.id in {g.id for g in chain}:
+            raise ChainBroken(f"grant {current!r} is its own ancestor")
+        if grant.revoked or grant.id in revoked:
+            raise ChainBroken(f"grant {grant.id!r} is revoked")
+        if grant.expires_at is not None and now >= utc(grant.expires_at):
+            raise ChainBroken(f"grant {grant.id!r} expired at {utc(grant.expires_at).isoformat()}")
+        if chain:
+            wider = violations(grant, chain[-1])
+            if wider:
+                raise ChainBroken(f"grant {chain[-1].id!r} is wider than its parent {grant.id!r} in {wider[0][0]}")
+            if not grant.can_delegate:
+                raise ChainBroken(f"grant {grant.id!r} may not delegate, yet {chain[-1].id!r} names it as parent")
+        if grant.parent is None and grant.id not in roots:
+            raise ChainBroken(f"grant {grant.id!r} claims to be a root but is not in the AuthorityBlock")
+        chain.append(grant)
+        current = grant.parent
+    return list(reversed(chain))
