@@ -12,14 +12,14 @@ worker only sees the user function: no Prefect context is serialized per task.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
 
-from distributed import Client, Future
-from distributed import KilledWorker
+from distributed import Client, Future, KilledWorker
 from pydantic import BaseModel, ConfigDict
 
 from aisched_prefect.approvals import ApprovalRequest, Approver, PolicyApprover, PrefectPauseApprover
@@ -44,10 +44,12 @@ from blocks import (
 )
 from dask_gpu import (
     InfeasibleRequest,
+    StopRequested,
     LocalGPUCluster,
     WorkerInventory,
     cluster_inventories,
     eligible_workers,
+    request_stop,
     worker_restriction,
 )
 
@@ -55,6 +57,7 @@ logger = logging.getLogger("aisched_prefect")
 
 ARTIFACT_KEY = "aisched-evidence"
 INVENTORY_TTL_SECONDS = 5.0
+REVOCATION_POLL_SECONDS = 0.5
 BLOCK_TTL_SECONDS = 5.0
 
 
@@ -68,6 +71,7 @@ class Admission(BaseModel):
     hold_ids: list[str]
     reserved: float
     priced_type: str | None
+    chain: list[str]
 
 
 def _load(value: Any, cls: type, what: str) -> Any:
@@ -110,8 +114,36 @@ class RunnerSession:
             self.close()
             raise
         self.flow_run_ids: set[str] = set()
+        # Running AI tasks (Dask key -> grant chain) and the watcher that stops them on revocation.
+        self._running: dict[str, list[str]] = {}
+        self._stopping: set[str] = set()
+        self._running_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_revocations, name="aisched-revocation-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch_revocations(self) -> None:
+        """Stop running (and queued) tasks whose chain holds a revoked grant, within REVOCATION_POLL_SECONDS."""
+        while not self._closing.wait(REVOCATION_POLL_SECONDS):
+            with self._running_lock:
+                running = dict(self._running)
+            if not running:
+                continue
+            try:
+                revoked = self.ledger.revoked_ids()
+                victims = [k for k, chain in running.items() if k not in self._stopping and revoked.intersection(chain)]
+                if victims:
+                    request_stop(self.client, victims)
+                    self._stopping.update(victims)
+                    logger.warning("grant revoked: stopping %d running AI task(s)", len(victims))
+            except Exception:  # keep watching; the next poll retries
+                logger.exception("revocation watcher failed; retrying")
 
     def close(self) -> None:
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            self._closing.set()
+            watcher.join(timeout=5)
         try:
             self._publish_artifacts()
         finally:
@@ -238,12 +270,17 @@ class RunnerSession:
                 remaining_budget=min(h.remaining_after for h in held), rule=outcome.rule,
                 timeout_seconds=outcome.timeout_seconds,
             ), held, payload, ids)
+            chain, refusal = self._authorize(facts)  # a revocation while the run waited denies it too
+            if chain is None:
+                self.ledger.settle([h.id for h in held], None, kind="settlement",
+                                   payload={**payload, "outcome": "revoked-while-waiting"}, **ids)
+                raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
         ticket = AdmissionTicket(
             admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
             grant_id=grant_id, expires_at=time.time() + self.config.ticket_ttl_seconds,
         )
         return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount,
-                         priced_type=estimate.gpu_type_priced)
+                         priced_type=estimate.gpu_type_priced, chain=payload["chain"])
 
     def _ask_person(self, ask: ApprovalRequest, held: list[Hold], payload: dict[str, Any],
                     ids: dict[str, Any]) -> EvidenceRecord:
@@ -268,9 +305,12 @@ class RunnerSession:
                  admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:
         hold_ids = admission.hold_ids
         submitted = time.monotonic()
+        key = f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}"
+        with self._running_lock:
+            self._running[key] = admission.chain
         future: Future = self.client.submit(
             run_admitted, admission.ticket, request, fn, args, kwargs,
-            key=f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}",
+            key=key,
             resources=request.gpu_request().resources() or None,
             workers=worker_restriction(request.gpu_request(), self.inventories, admission.workers),
             allow_other_workers=False, pure=False,
@@ -280,6 +320,10 @@ class RunnerSession:
         except TicketRejected as exc:
             self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "ticket-rejected", "error": str(exc)}, **ids)
             raise
+        except StopRequested:  # revoked while queued: it never started
+            self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "revoked-while-queued"}, **ids)
+            raise AdmissionDenied("revocation", f"a grant in the chain {admission.chain} was revoked before the task started",
+                                  "ask for a new grant") from None
         except KilledWorker as exc:  # the worker died mid-task: charge what can have run, at most the hold
             ran = time.monotonic() - submitted
             cost = min(admission.reserved, self.budget.actual_cost(
@@ -293,7 +337,11 @@ class RunnerSession:
             raise
         finally:
             future.release()
+            with self._running_lock:
+                self._running.pop(key, None)
+            self._stopping.discard(key)
         run = out.run
+        stopped = not out.ok and isinstance(out.error, StopRequested)
         if out.logs:
             from prefect.logging import get_run_logger
 
@@ -302,13 +350,16 @@ class RunnerSession:
                 task_log.log(level, message)
         actual = self.budget.actual_cost(request.gpus, run.seconds, run.gpu_type, request.est_tokens, request.model)
         self.ledger.settle(hold_ids, actual, kind="settlement", payload={
-            **payload, "outcome": "completed" if out.ok else "failed",
+            **payload, "outcome": "completed" if out.ok else "stopped-revoked" if stopped else "failed",
             "error": None if out.ok else f"{type(out.error).__name__}: {out.error}",
             "placement": {"worker": run.worker, "host": run.host, "devices": run.device_keys,
                           "gpu_type": run.gpu_type, "source": run.source,
                           "live": None if run.live is None else {k: v.model_dump() for k, v in run.live.items()}},
             "seconds": run.seconds, "gpu_seconds": run.seconds * len(run.devices),
         }, **ids)
+        if stopped:
+            raise AdmissionDenied("revocation", f"a grant in the chain {admission.chain} was revoked while the task ran; "
+                                  f"it was stopped after {run.seconds:.1f}s and charged for that", "ask for a new grant")
         if not out.ok:
             assert out.error is not None
             logger.error("AI task %s failed on %s devices %s:\n%s", task_name, run.worker, run.device_keys, out.error_text)

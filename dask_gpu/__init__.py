@@ -1,20 +1,23 @@
 """GPU-aware Dask: inventories, GPU workers, device assignment. No Prefect needed."""
 
-from dask_gpu.cluster import LocalGPUCluster, cluster_inventories, cluster_states
+from dask_gpu.cluster import LocalGPUCluster, cluster_inventories, cluster_states, request_stop
 from dask_gpu.errors import (
     DaskGPUError,
     DeviceUnavailable,
     InfeasibleRequest,
     InventorySpecError,
     NotOnGPUWorker,
+    StopRequested,
 )
 from dask_gpu.execute import (
     DeviceRun,
+    checkpoint,
     current_devices,
     gpu_env,
     hold_devices,
     run_subprocess,
     run_with_devices,
+    stop_requested,
     submit,
 )
 from dask_gpu.inventory import (
@@ -41,7 +44,9 @@ __all__ = [
     "InventorySpecError",
     "LocalGPUCluster",
     "NotOnGPUWorker",
+    "StopRequested",
     "WorkerInventory",
+    "checkpoint",
     "cluster_inventories",
     "cluster_states",
     "current_devices",
@@ -53,7 +58,9 @@ __all__ = [
     "nvml_inventory",
     "parse_declared",
     "run_subprocess",
+    "request_stop",
     "run_with_devices",
+    "stop_requested",
     "submit",
     "worker_restriction",
 ]

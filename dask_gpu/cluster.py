@@ -93,3 +93,20 @@ def cluster_states(client: Client) -> dict[str, dict[str, DeviceState] | None]:
     raw = client.run(_worker_states)
     return {name: None if states is None else {k: DeviceState(**v) for k, v in states.items()}
             for name, states in raw.values()}
+
+
+def _stop_keys(keys: list[str], dask_worker: Any) -> None:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if isinstance(plugin, GPUWorkerPlugin):
+        for key in keys:
+            plugin.request_stop(key)
+
+
+def request_stop(client: Client, keys: list[str]) -> None:
+    """Ask the tasks `keys` to stop, wherever they run or will run (one round trip to every worker).
+
+    A subprocess started with `run_subprocess` is killed within a fraction of a
+    second; Python code stops at its next `checkpoint()`; a task not started yet
+    stops before it starts.
+    """
+    client.run(_stop_keys, list(keys))

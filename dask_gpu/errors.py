@@ -21,3 +21,7 @@ class DeviceUnavailable(DaskGPUError):
 
 class NotOnGPUWorker(DaskGPUError):
     """Code that needs a GPU-aware worker ran somewhere else."""
+
+
+class StopRequested(DaskGPUError):
+    """The task was asked to stop (its authority was revoked, or it was preempted)."""

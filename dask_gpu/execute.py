@@ -15,7 +15,7 @@ from distributed import get_worker
 from distributed.worker import thread_state
 from pydantic import BaseModel, ConfigDict
 
-from dask_gpu.errors import NotOnGPUWorker
+from dask_gpu.errors import NotOnGPUWorker, StopRequested
 from dask_gpu.cluster import cluster_inventories
 from dask_gpu.inventory import GPUDevice, WorkerInventory
 from dask_gpu.live import DeviceState
@@ -25,6 +25,9 @@ from dask_gpu.request import GPURequest, worker_restriction
 _current_devices: ContextVar[tuple[GPUDevice, ...] | None] = ContextVar(
     "dask_gpu_current_devices", default=None
 )
+_current_stop: ContextVar[threading.Event | None] = ContextVar("dask_gpu_current_stop", default=None)
+
+STOP_POLL_SECONDS = 0.2
 
 DEVICE_WAIT_SECONDS = 30.0
 
@@ -72,10 +75,50 @@ def gpu_env(devices: Sequence[GPUDevice] | None = None, base: dict[str, str] | N
     return env
 
 
+def stop_requested() -> bool:
+    """Whether the task running in this thread has been asked to stop."""
+    stop = _current_stop.get()
+    return stop is not None and stop.is_set()
+
+
+def checkpoint() -> None:
+    """A cooperative stop point for Python code in a long task: raises StopRequested when asked to stop."""
+    if stop_requested():
+        raise StopRequested("the task was asked to stop (authority revoked or preempted)")
+
+
 def run_subprocess(args: Sequence[str] | str, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-    """`subprocess.run` with CUDA_VISIBLE_DEVICES set to this task's devices."""
+    """`subprocess.run` with CUDA_VISIBLE_DEVICES set to this task's devices, killed if the task must stop.
+
+    Takes `subprocess.run`'s arguments (capture_output, text, check, timeout, input, ...).
+    """
     kwargs["env"] = gpu_env(base=kwargs.get("env"))
-    return subprocess.run(args, **kwargs)
+    stop = _current_stop.get()
+    if stop is None:
+        return subprocess.run(args, **kwargs)
+    check, timeout, data = kwargs.pop("check", False), kwargs.pop("timeout", None), kwargs.pop("input", None)
+    if kwargs.pop("capture_output", False):
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    if data is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with subprocess.Popen(args, **kwargs) as proc:
+        while True:
+            try:
+                out, err = proc.communicate(data, timeout=STOP_POLL_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                data = None  # already sent; communicate() goes on where it left off
+                if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
+                    proc.kill()
+                    proc.communicate()
+                    if stop.is_set():
+                        raise StopRequested(f"killed {args!r}: the task was asked to stop") from None
+                    raise subprocess.TimeoutExpired(args, timeout or 0) from None
+    completed = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        completed.check_returncode()
+    return completed
 
 
 def _plugin() -> tuple[str, GPUWorkerPlugin | None]:
@@ -121,11 +164,16 @@ def hold_devices(request: GPURequest) -> Iterator[DeviceLease]:
             f"worker {address} is not GPU-aware: start it with `--preload dask_gpu.preload`"
         )
     key = str(getattr(thread_state, "key", None) or f"call-{threading.get_ident()}-{time.monotonic_ns()}")
+    stop = plugin.stop_event(key) if plugin is not None else threading.Event()
+    if stop.is_set():
+        if plugin is not None:
+            plugin.forget(key)
+        raise StopRequested(f"task {key!r} was asked to stop before it started")
     devices: tuple[GPUDevice, ...] = ()
     if request.gpus and plugin is not None:
         devices = plugin.allocator.acquire(key, request, timeout=DEVICE_WAIT_SECONDS)
     lease = DeviceLease(address, plugin, devices)
-    token = _current_devices.set(devices)
+    token, stop_token = _current_devices.set(devices), _current_stop.set(stop)
     try:
         yield lease
     finally:
@@ -134,6 +182,9 @@ def hold_devices(request: GPURequest) -> Iterator[DeviceLease]:
             states = plugin.sample()
             lease.live = {d.key: states[d.key] for d in devices if d.key in states} if states else None
         _current_devices.reset(token)
+        _current_stop.reset(stop_token)
+        if plugin is not None:
+            plugin.forget(key)
         if devices and plugin is not None:
             plugin.allocator.release(key)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -24,6 +25,20 @@ class GPUWorkerPlugin(WorkerPlugin):
     def __init__(self, inventory: WorkerInventory) -> None:
         self.inventory = inventory
         self.allocator = DeviceAllocator(inventory.devices, live=self.sample)
+        self._stops: dict[str, threading.Event] = {}
+        self._stops_lock = threading.Lock()
+
+    def stop_event(self, key: str) -> threading.Event:
+        """The event that asks task `key` to stop; it may be set before the task starts."""
+        with self._stops_lock:
+            return self._stops.setdefault(key, threading.Event())
+
+    def request_stop(self, key: str) -> None:
+        self.stop_event(key).set()
+
+    def forget(self, key: str) -> None:
+        with self._stops_lock:
+            self._stops.pop(key, None)
 
     def sample(self) -> dict[str, DeviceState] | None:
         """Live per-device utilisation and memory (NVML), or None for declared devices."""

@@ -153,3 +153,55 @@ def test_cli_delegate_revoke_list(sqlite_url):
     assert cli.invoke(app, ["grants", "revoke", "c1", "--by", "alice", "--reason", "done", "--ledger", sqlite_url]).exit_code == 0
     listed = cli.invoke(app, ["grants", "list", "--ledger", sqlite_url])
     assert "c1" in listed.stdout and "True" in listed.stdout
+
+
+@pytest.mark.parametrize("how", ["subprocess", "checkpoint"])
+def test_revocation_stops_a_running_task_within_seconds(gpu_cluster, sqlite_url, tmp_path, how):
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    from dask_gpu import checkpoint, run_subprocess
+
+    ledger = Ledger(sqlite_url)
+    delegate_grant("team-a-root", id="runner-grant", principal="team-a/trainer", by="alice", authority=ROOT, ledger=ledger)
+    started = tmp_path / "started"
+
+    @ai_task(gpus=1, kind="training", est_seconds=600)
+    def long_job(started_path: str, how: str):
+        Path(started_path).write_text("x")
+        if how == "subprocess":  # a trainer process: killed by the helper
+            run_subprocess([sys.executable, "-c", "import time; time.sleep(120)"], check=True)
+        else:  # Python code: stops at its next checkpoint
+            for _ in range(1200):
+                time.sleep(0.1)
+                checkpoint()
+        return "finished"
+
+    revoked_at: list[float] = []
+
+    def revoke_when_running():
+        deadline = time.time() + 60
+        while not started.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        revoked_at.append(time.time())
+        revoke_grant("runner-grant", by="alice", reason="incident", ledger=ledger)
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT, principal="team-a/trainer",
+                             grant="runner-grant"))
+    def training():
+        return outcome(long_job, str(started), how)
+
+    revoker = threading.Thread(target=revoke_when_running)
+    revoker.start()
+    result = training()
+    revoker.join()
+    assert result.startswith("denied: denied at revocation") and "was stopped after" in result
+    settlement = [r for r in ledger.records() if r.kind == "settlement"][-1]
+    assert settlement.payload["outcome"] == "stopped-revoked"
+    revoke_to_stop = settlement.ts - revoked_at[0]
+    print(f"revoke-to-stop ({how}): {revoke_to_stop:.2f} s")
+    assert revoke_to_stop < 5.0
+    assert ledger.accounts()[0]["pending"] == 0 and ledger.verify().ok
