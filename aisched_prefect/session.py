@@ -269,7 +269,7 @@ class RunnerSession:
                 est_cost=estimate.amount, currency=self.budget.currency,
                 remaining_budget=min(h.remaining_after for h in held), rule=outcome.rule,
                 timeout_seconds=outcome.timeout_seconds,
-            ), held, payload, ids)
+            ), held, payload, ids, facts)
             chain, refusal = self._authorize(facts)  # a revocation while the run waited denies it too
             if chain is None:
                 self.ledger.settle([h.id for h in held], None, kind="settlement",
@@ -282,15 +282,45 @@ class RunnerSession:
         return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount,
                          priced_type=estimate.gpu_type_priced, chain=payload["chain"])
 
+    def _approver_grant(self, approver: str, facts: RunFacts) -> list[Grant] | None:
+        """The chain by which `approver` holds the right to approve a run like this one, if any."""
+        revoked = self.ledger.revoked_ids()
+        roots = self._roots()
+        stored = self.ledger.delegated_grants()
+        for grant in [*roots.values(), *stored.values()]:
+            if not (grant.can_approve and grant.covers_principal(approver)):
+                continue
+            try:
+                chain = resolve_chain(grant.id, roots, stored, revoked)
+            except ChainBroken:
+                continue
+            if grant.refusal(facts.model_copy(update={"principal": approver})) is None:
+                return chain
+        return None
+
     def _ask_person(self, ask: ApprovalRequest, held: list[Hold], payload: dict[str, Any],
-                    ids: dict[str, Any]) -> EvidenceRecord:
-        """Wait for the approver; a rejection or an abort voids the hold. Returns the admission record."""
+                    ids: dict[str, Any], facts: RunFacts) -> EvidenceRecord:
+        """Wait for the approver; a rejection or an abort voids the hold. Returns the admission record.
+
+        A person's decision counts only if they hold, through a valid chain, a
+        grant with the right to approve that covers this run; the requester
+        never approves its own run.
+        """
         hold_ids = [h.id for h in held]
         try:
             verdict = self.approver.decide(ask)
         except BaseException:
             self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, **ids)
             raise
+        if verdict.channel != "policy":
+            approving = self._approver_grant(verdict.approver, facts)
+            if approving is None:
+                verdict = verdict.model_copy(update={
+                    "approved": False,
+                    "reason": f"{verdict.approver!r} holds no grant with the right to approve this run "
+                              f"(their answer was {'approve' if verdict.approved else 'reject'}: {verdict.reason})"})
+            else:
+                payload = {**payload, "approver_chain": [g.id for g in approving]}
         if not verdict.approved:
             self.ledger.settle(hold_ids, None, kind="approval",
                                payload={**payload, **verdict.model_dump(), "outcome": "rejected"}, **ids)

@@ -8,9 +8,14 @@ from aisched_prefect import AISchedTaskRunner
 from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, Grant
 
 
+APPROVERS = [Grant(id=f"{name}-approves", principal=name, kinds=["training"], max_gpus=8, max_cost_per_run=100.0,
+                   can_approve=True) for name in ("alice", "bob")]
+
+
 def authority(**grant: Any) -> AuthorityBlock:
+    """team-a's root grant (overridable), plus two people who may approve training runs."""
     fields = {"id": "team-a-root", "principal": "team-a/*", "max_gpus": 4, "max_cost_per_run": 10.0}
-    return AuthorityBlock(grants=[Grant(**{**fields, **grant})])
+    return AuthorityBlock(grants=[Grant(**{**fields, **grant}), *APPROVERS])
 
 
 def budget(limit: float = 100.0) -> BudgetBlock:

@@ -68,6 +68,7 @@ def test_paused_run_approved_through_the_api(gpu_cluster, sqlite_url):
     approval = ledger.records()[1]
     assert approval.payload["approver"] == "alice" and approval.payload["approved"] is True
     assert approval.payload["approval_rule"] == "training-needs-a-person"
+    assert approval.payload["approver_chain"] == ["alice-approves"]
     assert ledger.verify().ok
 
 
@@ -103,3 +104,11 @@ def test_policy_approver_decides_without_a_person(gpu_cluster, sqlite_url):
     assert f() == "approval"
     approval = Ledger(sqlite_url).records()[-1]
     assert approval.payload["channel"] == "policy" and approval.payload["approved"] is False
+
+
+def test_only_holders_of_the_right_to_approve_may_approve(gpu_cluster, sqlite_url):
+    out = run_paused_flow(gpu_cluster.scheduler_address, sqlite_url,
+                          {"approve": True, "approver": "mallory", "reason": "trust me"})
+    assert "'mallory' holds no grant with the right to approve this run" in out
+    approval = [r for r in Ledger(sqlite_url).records() if r.kind == "approval"][-1]
+    assert approval.payload["approved"] is False and approval.payload["approver"] == "mallory"
