@@ -63,6 +63,35 @@ def evidence_show(flow_run: Optional[str] = typer.Option(None, help="Only this f
                                                 "reserved", "charged", "decision"]))
 
 
+@app.command()
+def explain(run_id: str = typer.Argument(..., help="A flow-run or task-run id."), ledger: Optional[str] = LedgerOpt) -> None:
+    """Why that run was allowed or denied, under which grant chain, approved by whom, at what cost."""
+    from aisched_prefect.report import explain as explain_records
+
+    records = Ledger(ledger).records_about(run_id)
+    typer.echo(explain_records(records))
+    if not records:
+        raise typer.Exit(1)
+
+
+@evidence_app.command("export")
+def evidence_export(out: Optional[str] = typer.Option(None, help="File to write (default: standard output)."),
+                    ledger: Optional[str] = LedgerOpt) -> None:
+    """Every record as JSON lines (schema aisched.evidence/1), in chain order."""
+    import json
+    import sys
+
+    from aisched_prefect.report import export_line
+
+    stream = open(out, "w") if out else sys.stdout
+    try:
+        for record in Ledger(ledger).records():
+            stream.write(json.dumps(export_line(record), sort_keys=True) + "\n")
+    finally:
+        if out:
+            stream.close()
+
+
 @budget_app.command("show")
 def budget_show(ledger: Optional[str] = LedgerOpt) -> None:
     """Limit, posted, pending and remaining for each budget and period."""
@@ -116,6 +145,31 @@ def grants_revoke(grant_id: str, by: str = typer.Option(..., "--by"), reason: st
 
     first = revoke_grant(grant_id, by=by, reason=reason, ledger=Ledger(ledger))
     console.print(f"revoked {grant_id}" if first else f"{grant_id} was already revoked")
+
+
+@grants_app.command("map")
+def grants_map(authority: str = typer.Option(..., help="AuthorityBlock with the root grants (needs the Prefect API)."),
+               dot: Optional[str] = typer.Option(None, help="Write the graph as DOT here (and a PNG beside it where Graphviz is installed)."),
+               ledger: Optional[str] = LedgerOpt) -> None:
+    """Who really holds execution authority: every principal's effective grants, through which chain."""
+    from aisched_prefect.grants import authority_map, to_dot
+
+    store = Ledger(ledger)
+    rows = authority_map(authority, store)
+    console.print(_table("effective authority", [r.model_dump() for r in rows],
+                         ["principal", "grant", "chain", "status", "kinds", "models", "gpu_types", "max_gpus",
+                          "max_cost_per_run", "expires_at", "can_delegate", "can_approve"]))
+    if dot:
+        import shutil
+        import subprocess
+
+        with open(dot, "w") as f:
+            f.write(to_dot(rows))
+        console.print(f"graph written to {dot}")
+        if shutil.which("dot"):
+            png = dot.rsplit(".", 1)[0] + ".png"
+            subprocess.run(["dot", "-Tpng", dot, "-o", png], check=True)
+            console.print(f"picture written to {png}")
 
 
 @grants_app.command("list")

@@ -368,6 +368,12 @@ class Ledger:
         with self.reader.connect() as conn:
             return self._records(conn, flow_run_id)
 
+    def records_about(self, run_id: str) -> list[EvidenceRecord]:
+        """Records of a flow run or of a task run, in order."""
+        q = sa.select(evidence).where((evidence.c.flow_run_id == run_id) | (evidence.c.task_run_id == run_id))
+        with self.reader.connect() as conn:
+            return [EvidenceRecord.model_construct(**row._mapping) for row in conn.execute(q.order_by(evidence.c.seq))]
+
     @staticmethod
     def _records(conn: Connection, flow_run_id: str | None = None) -> list[EvidenceRecord]:
         q = sa.select(evidence).order_by(evidence.c.seq)

@@ -46,3 +46,54 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
             row["charged"] = round(sum(s["charged"] for s in p.get("settlements", [])[:1]), 6)
             row["decision"] = p.get("outcome")
     return list(rows.values())
+
+
+EVIDENCE_SCHEMA = "aisched.evidence/1"
+
+
+def export_line(record: EvidenceRecord) -> dict[str, Any]:
+    """One evidence record as a JSON-lines object with a versioned schema."""
+    return {"schema": EVIDENCE_SCHEMA, **record.model_dump(mode="json")}
+
+
+def explain(records: list[EvidenceRecord]) -> str:
+    """For a person: why each task run in `records` was allowed or denied, under which chain, by whom, at what cost."""
+    if not records:
+        return "no evidence records for that id"
+    by_task: dict[str, list[EvidenceRecord]] = {}
+    for r in records:
+        by_task.setdefault(r.task_run_id or f"record {r.seq}", []).append(r)
+    out: list[str] = []
+    for task_run, recs in by_task.items():
+        first = recs[0].payload
+        out.append(f"Task run {task_run} (task {first.get('task')!r}) of flow run {recs[0].flow_run_id}, "
+                   f"principal {recs[0].principal!r}")
+        out.append(f"  request: {_request_summary(first.get('request', {}))}")
+        for r in recs:
+            p = r.payload
+            chain = " -> ".join(p.get("chain") or ([p["grant"]] if p.get("grant") else []))
+            if r.kind == "denial":
+                out.append(f"  [{r.seq}] DENIED at {p.get('stage')}: {p.get('reason')}")
+                out.append(f"        fix: {p.get('fix')}")
+            elif r.kind in ("admission", "approval-requested"):
+                hold = (p.get("holds") or [{}])[0]
+                verb = "ADMITTED" if r.kind == "admission" else "HELD, waiting for approval"
+                out.append(f"  [{r.seq}] {verb} under grant chain {chain or '?'}; policy rule: "
+                           f"{p.get('approval_rule') or 'none (no approval needed)'}")
+                if hold:
+                    out.append(f"        held {hold.get('reserved', 0):.6f} on budget {hold.get('budget')!r} "
+                               f"({hold.get('period')}), {hold.get('remaining_after', 0):.6f} left after")
+            elif r.kind == "approval":
+                who = p.get("approver")
+                via = " -> ".join(p.get("approver_chain") or []) or "no approving grant"
+                verdict = "APPROVED" if p.get("approved") else "REJECTED"
+                out.append(f"  [{r.seq}] {verdict} by {who} via {p.get('channel')} ({via}): {p.get('reason') or ''}")
+            elif r.kind == "settlement":
+                s = (p.get("settlements") or [{}])[0]
+                place = p.get("placement") or {}
+                where = f" on {place.get('worker')} devices {place.get('devices')}" if place else ""
+                out.append(f"  [{r.seq}] SETTLED {p.get('outcome')}{where}: charged {s.get('charged', 0):.6f}, "
+                           f"released {s.get('released', 0):.6f}" + (f"; error: {p['error']}" if p.get("error") else ""))
+            else:
+                out.append(f"  [{r.seq}] {r.kind}: {p}")
+    return "\n".join(out)

@@ -205,3 +205,39 @@ def test_revocation_stops_a_running_task_within_seconds(gpu_cluster, sqlite_url,
     print(f"revoke-to-stop ({how}): {revoke_to_stop:.2f} s")
     assert revoke_to_stop < 5.0
     assert ledger.accounts()[0]["pending"] == 0 and ledger.verify().ok
+
+
+def test_authority_map_explain_and_export(gpu_cluster, sqlite_url, tmp_path):
+    import json
+
+    from aisched_prefect.grants import authority_map, to_dot
+
+    ledger = Ledger(sqlite_url)
+    delegate_grant("team-a-root", id="lead", principal="team-a/lead", by="alice", authority=ROOT, ledger=ledger,
+                   can_delegate=True, max_gpus=2)
+    delegate_grant("lead", id="agent", principal="team-a/agent", by="team-a/lead", authority=ROOT, ledger=ledger,
+                   kinds=["inference"], max_gpus=1)
+    revoke_grant("lead", by="alice", reason="audit", ledger=ledger)
+    rows = {r.grant: r for r in authority_map(ROOT, ledger)}
+    assert rows["team-a-root"].status == "active" and rows["team-a-root"].chain == "team-a-root"
+    assert rows["agent"].status == "broken: grant 'lead' is revoked" and rows["agent"].principal == "team-a/agent"
+    dot = to_dot(list(rows.values()))
+    assert '"lead" -> "agent"' in dot and "color=red" in dot
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT, principal="team-a/agent",
+                             grant="agent"))
+    def f():
+        return outcome(infer, 1)
+
+    f()
+    denial = ledger.records()[-1]
+    cli = CliRunner()
+    explained = cli.invoke(app, ["explain", denial.task_run_id, "--ledger", sqlite_url])
+    assert explained.exit_code == 0
+    assert "DENIED at authority: grant chain of 'agent' is broken: grant 'lead' is revoked" in explained.stdout
+    out = tmp_path / "evidence.jsonl"
+    assert cli.invoke(app, ["evidence", "export", "--out", str(out), "--ledger", sqlite_url]).exit_code == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [l["kind"] for l in lines] == ["delegation", "delegation", "revocation", "denial"]
+    assert all(l["schema"] == "aisched.evidence/1" for l in lines)
+    assert [l["seq"] for l in lines] == [1, 2, 3, 4]
