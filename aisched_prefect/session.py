@@ -29,7 +29,8 @@ from aisched_prefect.evidence import EvidenceRecord
 from aisched_prefect.ledger import BudgetExceeded, BudgetLine, Hold, Ledger
 from aisched_prefect.report import evidence_rows
 from aisched_prefect.request import AIRequest
-from aisched_prefect.worker import AdmissionTicket, WorkerOutcome, run_admitted
+from aisched_prefect.tickets import AdmissionTicket, TicketSigner
+from aisched_prefect.worker import WorkerOutcome, run_admitted
 from blocks import (
     ApprovalPolicyBlock,
     AuthorityBlock,
@@ -110,6 +111,8 @@ class RunnerSession:
                 self.cluster = LocalGPUCluster(declared=config.declared)
                 self.client = Client(self.cluster, set_as_default=False)
             self._refresh_inventories()
+            self.signer = TicketSigner()
+            self.signer.register(self.client)
         except BaseException:
             self.close()
             raise
@@ -149,6 +152,8 @@ class RunnerSession:
         finally:
             client = getattr(self, "client", None)
             if client is not None:
+                if getattr(self, "signer", None) is not None:
+                    self.signer.unregister(client)
                 client.close()
             if self.cluster is not None:
                 self.cluster.close()
@@ -275,9 +280,9 @@ class RunnerSession:
                 self.ledger.settle([h.id for h in held], None, kind="settlement",
                                    payload={**payload, "outcome": "revoked-while-waiting"}, **ids)
                 raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
-        ticket = AdmissionTicket(
+        ticket = self.signer.issue(
             admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
-            grant_id=grant_id, expires_at=time.time() + self.config.ticket_ttl_seconds,
+            chain=tuple(payload["chain"]), expires_at=time.time() + self.config.ticket_ttl_seconds,
         )
         return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount,
                          priced_type=estimate.gpu_type_priced, chain=payload["chain"])

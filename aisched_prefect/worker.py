@@ -1,4 +1,4 @@
-"""What runs on the Dask worker: check the admission ticket, then call the task on its devices."""
+"""What runs on the Dask worker: check the signed admission ticket, then call the task on its devices."""
 
 from __future__ import annotations
 
@@ -11,21 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from aisched_prefect.errors import TicketRejected
+from distributed import get_worker
+
 from aisched_prefect.request import AIRequest
+from aisched_prefect.tickets import AdmissionTicket, check_ticket
 from dask_gpu import DeviceRun, hold_devices
-
-
-class AdmissionTicket(BaseModel):
-    """Proof that a run passed admission, bound to its task run and request."""
-
-    model_config = ConfigDict(frozen=True)
-
-    admission_seq: int
-    task_run_id: str
-    request_digest: str
-    grant_id: str
-    expires_at: float
 
 
 class WorkerOutcome(BaseModel):
@@ -71,19 +61,10 @@ class _ThreadLogCapture(logging.Handler):
             self.records.append((record.levelno, record.getMessage()))
 
 
-def check_ticket(ticket: AdmissionTicket | None, request: AIRequest) -> None:
-    if ticket is None:
-        raise TicketRejected("no admission ticket: AI tasks run only after admission by AISchedTaskRunner")
-    if ticket.request_digest != request.digest:
-        raise TicketRejected(f"ticket for task run {ticket.task_run_id} was issued for another request")
-    if time.time() > ticket.expires_at:
-        raise TicketRejected(f"ticket for task run {ticket.task_run_id} expired; the run must be admitted again")
-
-
 def run_admitted(ticket: AdmissionTicket | None, request: AIRequest, fn: Callable[..., Any],
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerOutcome:
     """Dask task body of every AI task run. No ticket, no run."""
-    check_ticket(ticket, request)
+    check_ticket(ticket, request.digest, get_worker())
     capture = _ThreadLogCapture(threading.get_ident())
     root = logging.getLogger()
     root.addHandler(capture)
