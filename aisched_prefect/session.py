@@ -11,6 +11,7 @@ worker only sees the user function: no Prefect context is serialized per task.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -73,6 +74,11 @@ class Admission(BaseModel):
     reserved: float
     priced_type: str | None
     chain: list[str]
+
+
+def _version(model: BaseModel) -> str:
+    """Short content hash: which version of a grant or policy decided, as the evidence records it."""
+    return hashlib.sha256(model.model_dump_json().encode()).hexdigest()[:12]
 
 
 def _load(value: Any, cls: type, what: str) -> Any:
@@ -251,8 +257,10 @@ class RunnerSession:
             raise self._deny("authority", refusal, fix, payload, ids) from None
         grant_id = payload["grant"] = chain[-1].id
         payload["chain"] = [g.id for g in chain]
+        payload["grant_versions"] = {g.id: _version(g) for g in chain}
         outcome = self.policy.evaluate(facts) if self.policy else None
         payload["approval_rule"] = outcome.rule if outcome else None
+        payload["policy_version"] = _version(self.policy) if self.policy else None
         if outcome is not None and outcome.action == "deny":
             raise self._deny("approval", f"approval policy rule {outcome.rule!r} denies this run",
                              "change the request or the rule in the ApprovalPolicyBlock", payload, ids)

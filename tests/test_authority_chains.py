@@ -55,6 +55,7 @@ def test_a_delegated_chain_authorizes_and_is_recorded(gpu_cluster, sqlite_url):
     assert trained.startswith("denied: denied at authority") and "kinds ['inference']" in trained
     admission = next(r for r in ledger.records() if r.kind == "admission")
     assert admission.payload["chain"] == ["team-a-root", "nightly-infer", "agent-1"]
+    assert set(admission.payload["grant_versions"]) == {"team-a-root", "nightly-infer", "agent-1"}
     assert [r.kind for r in ledger.records()][:2] == ["delegation", "delegation"]
 
 
