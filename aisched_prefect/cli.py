@@ -19,7 +19,7 @@ app.add_typer(evidence_app, name="evidence")
 app.add_typer(budget_app, name="budget")
 grants_app = typer.Typer(help="Delegate, revoke and list grants.", no_args_is_help=True)
 app.add_typer(grants_app, name="grants")
-console = Console()
+console = Console(soft_wrap=True)
 
 LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL (default: AISCHED_LEDGER_URL or ~/.aisched/ledger.db).")
 
@@ -43,10 +43,46 @@ def inventory(declared: Optional[str] = typer.Option(None, help="Declared invent
     console.print(_table("devices", [d.model_dump() for d in inv.devices], ["index", "uuid", "name", "gpu_type", "memory_gb"]))
 
 
+@evidence_app.command("keygen")
+def evidence_keygen(out: str = typer.Option(..., help="Private key file to write (PEM); OUT.pub gets the public key.")) -> None:
+    """Make an Ed25519 key pair for signing checkpoints of the evidence chain; keep the private half apart."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+    key = Ed25519PrivateKey.generate()
+    with open(out, "wb") as f:
+        f.write(key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+    with open(out + ".pub", "wb") as f:
+        f.write(key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
+    console.print(f"wrote {out} and {out}.pub")
+
+
+@evidence_app.command("checkpoint")
+def evidence_checkpoint(key: str = typer.Option(..., help="Private key (PEM) from `aisched evidence keygen`."),
+                        ledger: Optional[str] = LedgerOpt) -> None:
+    """Sign the current head of the evidence chain (run it on a schedule, e.g. hourly)."""
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    with open(key, "rb") as f:
+        private = load_pem_private_key(f.read(), password=None)
+    cp = Ledger(ledger).checkpoint(private)  # type: ignore[arg-type]
+    console.print(f"signed checkpoint at record {cp.seq} ({cp.hash[:16]}...)")
+
+
+def _public_key(path: Optional[str]) -> Optional[bytes]:
+    if path is None:
+        return None
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_public_key
+
+    with open(path, "rb") as f:
+        return load_pem_public_key(f.read()).public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
 @evidence_app.command("verify")
-def evidence_verify(ledger: Optional[str] = LedgerOpt) -> None:
-    """Check the whole chain; exit 1 on any edit, deletion, reordering or truncation."""
-    report = Ledger(ledger).verify()
+def evidence_verify(ledger: Optional[str] = LedgerOpt,
+                    public_key: Optional[str] = typer.Option(None, "--public-key", help="Also check signed checkpoints with this public key (PEM).")) -> None:
+    """Check the whole chain; exit 1 on any edit, deletion, reordering or truncation, naming the record."""
+    report = Ledger(ledger).verify(_public_key(public_key))
     if report.ok:
         console.print(f"[green]evidence chain intact[/green]: {report.records} records")
         return

@@ -75,3 +75,45 @@ def verify_chain(records: list[EvidenceRecord], head: tuple[int, str] | None) ->
         return ChainReport(ok=False, records=len(records), at_seq=head[0],
                            problem=f"log ends at record {last[0]} but the ledger head says {head[0]}: truncated")
     return ChainReport(ok=True, records=len(records))
+
+
+class Checkpoint(BaseModel):
+    """A signed statement that the log had `hash` at record `seq`: rewriting history below it is detectable."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seq: int
+    hash: str
+    key_id: str
+    signature: str
+    ts: float
+
+
+def checkpoint_body(seq: int, hash_: str) -> bytes:
+    return f"aisched-evidence-checkpoint/1:{seq}:{hash_}".encode()
+
+
+def verify_checkpoints(records: list[EvidenceRecord], checkpoints: list[Checkpoint], public_key: bytes) -> ChainReport:
+    """Each checkpoint must be signed by `public_key` and match the log at its record.
+
+    The chain alone cannot tell a cleanly truncated log (head row rewritten to
+    match) from a shorter one; a signed checkpoint past the new end can.
+    """
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    verifier = Ed25519PublicKey.from_public_bytes(public_key)
+    by_seq = {r.seq: r for r in records}
+    for cp in checkpoints:
+        try:
+            verifier.verify(bytes.fromhex(cp.signature), checkpoint_body(cp.seq, cp.hash))
+        except (InvalidSignature, ValueError):
+            return ChainReport(ok=False, records=len(records), at_seq=cp.seq,
+                               problem=f"checkpoint at record {cp.seq} is not signed by this key: forged or altered")
+        if cp.seq not in by_seq:
+            return ChainReport(ok=False, records=len(records), at_seq=cp.seq,
+                               problem=f"signed checkpoint at record {cp.seq} is past the end of the log: truncated")
+        if by_seq[cp.seq].hash != cp.hash:
+            return ChainReport(ok=False, records=len(records), at_seq=cp.seq,
+                               problem=f"record {cp.seq} differs from its signed checkpoint: history rewritten")
+    return ChainReport(ok=True, records=len(records))

@@ -11,6 +11,7 @@ group-committed (see `Ledger`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -20,15 +21,27 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.engine import Connection, Engine
 
 from blocks import Grant
-from aisched_prefect.evidence import GENESIS, ChainReport, EvidenceRecord, canonical, chain_hash, verify_chain
+from aisched_prefect.evidence import (
+    GENESIS,
+    ChainReport,
+    Checkpoint,
+    EvidenceRecord,
+    canonical,
+    chain_hash,
+    checkpoint_body,
+    verify_chain,
+    verify_checkpoints,
+)
 
 LEDGER_URL_ENV = "AISCHED_LEDGER_URL"
 HOME_ENV = "AISCHED_HOME"
-SCHEMA_VERSION = 2  # 2: delegated grants and revocations
+SCHEMA_VERSION = 3  # 2: delegated grants and revocations; 3: signed checkpoints
 MICROS = 1_000_000
 
 metadata = sa.MetaData()
@@ -88,6 +101,15 @@ revocations = sa.Table(
     sa.Column("revoked_at", sa.Float, nullable=False),
     sa.Column("revoked_by", sa.String(200), nullable=False),
     sa.Column("reason", sa.Text, nullable=False),
+)
+
+checkpoints = sa.Table(
+    "aisched_checkpoints", metadata,
+    sa.Column("seq", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("hash", sa.String(64), nullable=False),
+    sa.Column("key_id", sa.String(64), nullable=False),
+    sa.Column("signature", sa.String(128), nullable=False),
+    sa.Column("ts", sa.Float, nullable=False),
 )
 
 chain_head = sa.Table(
@@ -382,10 +404,31 @@ class Ledger:
         # Rows come from our own table: construct without re-validating (the chain check is the validation).
         return [EvidenceRecord.model_construct(**row._mapping) for row in conn.execute(q)]
 
-    def verify(self) -> ChainReport:
+    def verify(self, public_key: bytes | None = None) -> ChainReport:
+        """Check the chain; with the checkpoint key's public half, check the signed checkpoints too."""
         with self.reader.connect() as conn:  # one snapshot: the head and the log it should end at
             head = conn.execute(sa.select(chain_head.c.seq, chain_head.c.hash)).first()
-            return verify_chain(self._records(conn), tuple(head) if head else None)
+            records = self._records(conn)
+            report = verify_chain(records, tuple(head) if head else None)
+            if not report.ok or public_key is None:
+                return report
+            signed = [Checkpoint(**row._mapping) for row in conn.execute(sa.select(checkpoints).order_by(checkpoints.c.seq))]
+        return verify_checkpoints(records, signed, public_key)
+
+    def checkpoint(self, private_key: Ed25519PrivateKey) -> Checkpoint:
+        """Sign the current head of the log and keep the signature in the ledger."""
+        public = private_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        key_id = hashlib.sha256(public).hexdigest()[:16]
+
+        def op(w: _WriteBatch) -> Checkpoint:
+            seq, head = w._head
+            cp = Checkpoint(seq=seq, hash=head, key_id=key_id, ts=time.time(),
+                            signature=private_key.sign(checkpoint_body(seq, head)).hex())
+            if w.conn.execute(sa.select(checkpoints.c.seq).where(checkpoints.c.seq == seq)).first() is None:
+                w.conn.execute(checkpoints.insert().values(**cp.model_dump()))
+            return cp
+
+        return self._write(op)
 
     # -- budget -------------------------------------------------------------------------
     def reserve(self, lines: list[BudgetLine], amount: float, *, kind: str, payload: dict[str, Any],

@@ -138,3 +138,38 @@ def test_group_commit_keeps_each_write_all_or_nothing(ledger_url):
     assert acct["pending"] == pytest.approx(sum(h.reserved for h in granted))
     report = ledger.verify()
     assert report.ok and report.records == 1 + len(granted) + 1
+
+
+def test_signed_checkpoints_catch_a_clean_truncation(ledger_url, tmp_path):
+    """Truncate the tail and rewrite the head to match: the chain alone cannot tell, a signed checkpoint can."""
+    from typer.testing import CliRunner
+
+    from aisched_prefect.cli import app
+
+    cli = CliRunner()
+    key = str(tmp_path / "evidence.key")
+    assert cli.invoke(app, ["evidence", "keygen", "--out", key]).exit_code == 0
+    ledger = Ledger(ledger_url)
+    for i in range(4):
+        ledger.record("admission", {"i": i}, **IDS)
+    assert cli.invoke(app, ["evidence", "checkpoint", "--key", key, "--ledger", ledger_url]).exit_code == 0
+    ok = cli.invoke(app, ["evidence", "verify", "--public-key", key + ".pub", "--ledger", ledger_url])
+    assert ok.exit_code == 0 and "intact" in ok.stdout
+    third = ledger.records()[2]
+    _tamper(ledger, "DELETE FROM aisched_evidence WHERE seq = 4")
+    _tamper(ledger, f"UPDATE aisched_chain_head SET seq = 3, hash = '{third.hash}'")
+    assert ledger.verify().ok  # a clean truncation: invisible to the chain alone
+    caught = cli.invoke(app, ["evidence", "verify", "--public-key", key + ".pub", "--ledger", ledger_url])
+    assert caught.exit_code == 1 and "past the end of the log: truncated" in caught.stdout
+
+
+def test_a_forged_checkpoint_is_detected(ledger_url, tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    ledger = Ledger(ledger_url)
+    ledger.record("admission", {}, **IDS)
+    mine, theirs = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    ledger.checkpoint(theirs)  # signed by a key the auditor does not hold
+    report = ledger.verify(mine.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+    assert not report.ok and "not signed by this key" in report.problem
