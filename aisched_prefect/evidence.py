@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict
 
 GENESIS = "0" * 64
 
-KINDS = ("admission", "denial", "approval-requested", "approval", "settlement")
+KINDS = ("admission", "denial", "approval-requested", "approval", "settlement", "delegation",
+         "delegation-refused", "revocation")
 
 
 class EvidenceRecord(BaseModel):

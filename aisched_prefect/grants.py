@@ -35,13 +35,22 @@ def delegate_grant(parent: str, *, id: str, principal: str, by: str, authority: 
     """
     ledger = ledger or Ledger()
     roots, stored = _roots(authority), ledger.delegated_grants()
-    if id in roots or id in stored:
-        raise DelegationRefused("id", f"a grant {id!r} already exists: choose another id")
-    if parent not in roots and parent not in stored:
-        where = f"AuthorityBlock {authority!r}" if isinstance(authority, str) else "the authority given"
-        raise DelegationRefused("parent", f"no grant {parent!r} in {where} or among delegated grants")
-    chain = resolve_chain(parent, roots, stored, ledger.revoked_ids())
-    child = delegate(chain[-1], id=id, principal=principal, **dimensions)
+    try:
+        if id in roots or id in stored:
+            raise DelegationRefused("id", f"a grant {id!r} already exists: choose another id")
+        if parent not in roots and parent not in stored:
+            where = f"AuthorityBlock {authority!r}" if isinstance(authority, str) else "the authority given"
+            raise DelegationRefused("parent", f"no grant {parent!r} in {where} or among delegated grants")
+        chain = resolve_chain(parent, roots, stored, ledger.revoked_ids())
+        child = delegate(chain[-1], id=id, principal=principal, **dimensions)
+    except (DelegationRefused, ChainBroken) as exc:
+        # A refused delegation is a decision too: it leaves its record.
+        ledger.record("delegation-refused", {
+            "parent": parent, "grant": id, "to": principal, "by": by, "reason": str(exc),
+            "dimension": getattr(exc, "dimension", "chain"),
+            "asked": {k: v.isoformat() if hasattr(v, "isoformat") else v for k, v in dimensions.items()},
+        }, principal=by)
+        raise
     ledger.add_grant(child, by=by)
     return child
 

@@ -193,9 +193,9 @@ def make_engine(url: str, for_writes: bool = True) -> Engine:
         def _sqlite_connect(dbapi_conn: Any, _: Any) -> None:
             dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
             cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA busy_timeout=60000")  # first: switching to WAL waits for other processes too
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
-            cur.execute("PRAGMA busy_timeout=60000")
             cur.close()
 
         @sa.event.listens_for(engine, "begin")
@@ -333,6 +333,8 @@ class Ledger:
     # -- schema -------------------------------------------------------------------------
     def _migrate(self) -> None:
         with self.engine.begin() as conn:
+            if self._locking:  # two processes opening a fresh Postgres ledger: one creates, the other waits
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(7324180041)"))
             metadata.create_all(conn, checkfirst=True)
             version = conn.execute(sa.select(schema_version.c.version)).scalar()
             if version is None:

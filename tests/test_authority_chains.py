@@ -68,7 +68,7 @@ def test_delegation_wider_than_its_parent_is_refused(sqlite_url):
                    max_gpus=1)
     with pytest.raises(DelegationRefused, match=r"\(can_delegate\)"):  # narrow was not given the right to delegate
         delegate_grant("narrow", id="deeper", principal="team-a/y", by="team-a/x", authority=ROOT, ledger=ledger)
-    assert [r.kind for r in ledger.records()] == ["delegation"]
+    assert [r.kind for r in ledger.records()] == ["delegation-refused", "delegation", "delegation-refused"]
 
 
 def test_a_grant_for_someone_else_does_not_authorize(gpu_cluster, sqlite_url):
