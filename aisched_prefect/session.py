@@ -43,6 +43,7 @@ from blocks import (
     authorize,
     period_key,
     resolve_chain,
+    utc,
 )
 from dask_gpu import (
     InfeasibleRequest,
@@ -74,6 +75,7 @@ class Admission(BaseModel):
     reserved: float
     priced_type: str | None
     chain: list[str]
+    expires_at: float | None  # the earliest expiry in the chain: expiry stops the run like revocation
 
 
 def _version(model: BaseModel) -> str:
@@ -124,7 +126,7 @@ class RunnerSession:
             raise
         self.flow_run_ids: set[str] = set()
         # Running AI tasks (Dask key -> grant chain) and the watcher that stops them on revocation.
-        self._running: dict[str, list[str]] = {}
+        self._running: dict[str, tuple[list[str], float | None]] = {}  # key -> (chain, earliest expiry)
         self._stopping: set[str] = set()
         self._running_lock = threading.Lock()
         self._closing = threading.Event()
@@ -139,8 +141,11 @@ class RunnerSession:
             if not running:
                 continue
             try:
-                revoked = self.ledger.revoked_ids()
-                victims = [k for k, chain in running.items() if k not in self._stopping and revoked.intersection(chain)]
+                # Revoked in the ledger (CLI, API), marked revoked in the AuthorityBlock, or past expiry.
+                revoked = self.ledger.revoked_ids() | {g.id for g in self._roots().values() if g.revoked}
+                now = time.time()
+                victims = [k for k, (chain, expiry) in running.items() if k not in self._stopping
+                           and (revoked.intersection(chain) or (expiry is not None and now >= expiry))]
                 if victims:
                     request_stop(self.client, victims)
                     self._stopping.update(victims)
@@ -293,7 +298,8 @@ class RunnerSession:
             chain=tuple(payload["chain"]), expires_at=time.time() + self.config.ticket_ttl_seconds,
         )
         return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount,
-                         priced_type=estimate.gpu_type_priced, chain=payload["chain"])
+                         priced_type=estimate.gpu_type_priced, chain=payload["chain"],
+                         expires_at=min((utc(g.expires_at).timestamp() for g in chain if g.expires_at), default=None))
 
     def _approver_grant(self, approver: str, facts: RunFacts) -> list[Grant] | None:
         """The chain by which `approver` holds the right to approve a run like this one, if any."""
@@ -350,7 +356,7 @@ class RunnerSession:
         submitted = time.monotonic()
         key = f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}"
         with self._running_lock:
-            self._running[key] = admission.chain
+            self._running[key] = (admission.chain, admission.expires_at)
         future: Future = self.client.submit(
             run_admitted, admission.ticket, request, fn, args, kwargs,
             key=key,

@@ -1,7 +1,7 @@
 """Prefect Blocks an operator edits in the UI, with pure checks on their data."""
 
 from blocks.approval import ApprovalOutcome, ApprovalPolicyBlock, ApprovalRule, evaluate
-from blocks.authority import AuthorityBlock, AuthorityDecision, Grant, authorize
+from blocks.authority import AuthorityBlock, AuthorityDecision, Grant, authorize, utc
 from blocks.budget import BudgetBlock, CostEstimate, UnpriceableRequest, period_key
 from blocks.delegation import ChainBroken, DelegationRefused, delegate, resolve_chain, violations
 from blocks.facts import RunFacts
@@ -24,5 +24,6 @@ __all__ = [
     "evaluate",
     "period_key",
     "resolve_chain",
+    "utc",
     "violations",
 ]

@@ -156,8 +156,8 @@ def test_cli_delegate_revoke_list(sqlite_url):
     assert "c1" in listed.stdout and "True" in listed.stdout
 
 
-@pytest.mark.parametrize("how", ["subprocess", "checkpoint"])
-def test_revocation_stops_a_running_task_within_seconds(gpu_cluster, sqlite_url, tmp_path, how):
+@pytest.mark.parametrize("how, revoker", [("subprocess", "api"), ("checkpoint", "api"), ("subprocess", "cli")])
+def test_revocation_stops_a_running_task_within_seconds(gpu_cluster, sqlite_url, tmp_path, how, revoker):
     import sys
     import threading
     import time
@@ -188,22 +188,31 @@ def test_revocation_stops_a_running_task_within_seconds(gpu_cluster, sqlite_url,
             time.sleep(0.05)
         time.sleep(0.3)
         revoked_at.append(time.time())
-        revoke_grant("runner-grant", by="alice", reason="incident", ledger=ledger)
+        if revoker == "api":
+            revoke_grant("runner-grant", by="alice", reason="incident", ledger=ledger)
+        else:  # an operator in another process
+            import os
+            import subprocess
+
+            cli = os.path.join(os.path.dirname(sys.executable), "aisched")
+            subprocess.run([cli, "grants", "revoke", "runner-grant", "--by", "alice", "--reason", "incident",
+                            "--ledger", sqlite_url], check=True, capture_output=True)
+            revoked_at[0] = next(r.ts for r in ledger.records() if r.kind == "revocation")
 
     @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT, principal="team-a/trainer",
                              grant="runner-grant"))
     def training():
         return outcome(long_job, str(started), how)
 
-    revoker = threading.Thread(target=revoke_when_running)
-    revoker.start()
+    revoking = threading.Thread(target=revoke_when_running)
+    revoking.start()
     result = training()
-    revoker.join()
+    revoking.join()
     assert result.startswith("denied: denied at revocation") and "was stopped after" in result
     settlement = [r for r in ledger.records() if r.kind == "settlement"][-1]
     assert settlement.payload["outcome"] == "stopped-revoked"
     revoke_to_stop = settlement.ts - revoked_at[0]
-    print(f"revoke-to-stop ({how}): {revoke_to_stop:.2f} s")
+    print(f"revoke-to-stop ({how}, revoked via {revoker}): {revoke_to_stop:.2f} s")
     assert revoke_to_stop < 5.0
     assert ledger.accounts()[0]["pending"] == 0 and ledger.verify().ok
 
@@ -242,3 +251,39 @@ def test_authority_map_explain_and_export(gpu_cluster, sqlite_url, tmp_path):
     assert [l["kind"] for l in lines] == ["delegation", "delegation", "revocation", "denial"]
     assert all(l["schema"] == "aisched.evidence/1" for l in lines)
     assert [l["seq"] for l in lines] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("how", ["expiry", "block-edit"])
+def test_expiry_and_a_block_edit_stop_running_work_like_revocation(gpu_cluster, sqlite_url, how):
+    import sys
+    import time
+    from datetime import datetime, timedelta, timezone
+
+    from dask_gpu import run_subprocess
+
+    ledger = Ledger(sqlite_url)
+    block_name = f"edit-me-{how}"
+    root = Grant(id="edit-root", principal="team-a/*", max_gpus=4, max_cost_per_run=10, can_delegate=True)
+    AuthorityBlock(grants=[root]).save(block_name, overwrite=True)
+    expires = datetime.now(timezone.utc) + timedelta(seconds=6) if how == "expiry" else None
+    delegate_grant("edit-root", id="short", principal="team-a/trainer", by="alice", authority=block_name,
+                   ledger=ledger, expires_at=expires)
+
+    @ai_task(gpus=1, kind="training", est_seconds=600)
+    def long_job():
+        run_subprocess([sys.executable, "-c", "import time; time.sleep(120)"], check=True)
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=block_name,
+                             principal="team-a/trainer", grant="short"))
+    def training():
+        if how == "block-edit":  # an operator ticks 'revoked' on the root grant in the UI a moment later
+            import threading
+
+            revoked = AuthorityBlock(grants=[root.model_copy(update={"revoked": True})])
+            threading.Timer(2.0, lambda: revoked.save(block_name, overwrite=True)).start()
+        return outcome(long_job)
+
+    t0 = time.time()
+    result = training()
+    assert result.startswith("denied: denied at revocation")
+    assert time.time() - t0 < 30  # 6 s to expiry, or 2 s + the 5 s block refresh, plus one poll
