@@ -1,0 +1,76 @@
+"""Implicit trust inheritance, tried: sub-flows and other principals act only on what they were given."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from prefect import flow
+from typer.testing import CliRunner
+
+from aisched_prefect import Ledger, NoAdmissionContext, ai_task
+from aisched_prefect.cli import app
+from aisched_prefect.grants import delegate_grant, revoke_grant
+from aisched_prefect.ledger import grants as grants_table
+from blocks import AuthorityBlock, DelegationRefused, Grant
+from tests.authority_helpers import ROOT, infer, outcome, train
+from tests.helpers import runner
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def test_a_grant_for_someone_else_does_not_authorize(gpu_cluster, sqlite_url):
+    ledger = Ledger(sqlite_url)
+    delegate_grant("team-a-root", id="for-bob", principal="team-a/bob", by="alice", authority=ROOT, ledger=ledger)
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT, principal="team-a/mallory",
+                             grant="for-bob"))
+    def mallory():
+        return outcome(infer, 1)
+
+    assert "is for 'team-a/bob', not for principal 'team-a/mallory'" in mallory()
+
+
+def test_a_sub_flow_inherits_nothing_from_its_parent(gpu_cluster, sqlite_url):
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT, principal="team-b/helper"))
+    def helper_with_own_runner():
+        return outcome(infer, 1)
+
+    @flow  # no AISchedTaskRunner of its own
+    def helper_without_runner():
+        try:
+            return infer(1)
+        except NoAdmissionContext as exc:
+            return f"refused: {exc}"
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT, principal="team-a/boss"))
+    def parent():
+        return outcome(infer, 0), helper_with_own_runner(), helper_without_runner()
+
+    mine, sub_with_runner, sub_without = parent()
+    assert mine == 0  # the parent's own grant works for the parent
+    assert "principal 'team-b/helper' holds no grant" in sub_with_runner
+    assert sub_without.startswith("refused:") and "AISchedTaskRunner" in sub_without
+
+
+def test_many_sub_flows_at_once_each_on_their_own_authority(gpu_cluster, sqlite_url):
+    """Four sub-flows run concurrently beside a parent with a broad grant: none borrows it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def helper(i: int) -> str:
+        @flow(name=f"helper-{i}", task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT,
+                                                     principal=f"team-b/helper-{i}"))
+        def sub():
+            return outcome(infer, i)
+
+        return sub()
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT, principal="team-a/boss"))
+    def parent():
+        with ThreadPoolExecutor(4) as pool:
+            return outcome(infer, 0), list(pool.map(helper, range(4)))
+
+    mine, helpers = parent()
+    assert mine == 0
+    assert all(f"principal 'team-b/helper-{i}' holds no grant" in h for i, h in enumerate(helpers))
+    denials = [r for r in Ledger(sqlite_url).records() if r.kind == "denial"]
+    assert sorted(r.principal for r in denials) == [f"team-b/helper-{i}" for i in range(4)]
