@@ -139,6 +139,37 @@ def _names(value: Optional[str]) -> Optional[list[str]]:
     return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
+@grants_app.command("add-root")
+def grants_add_root(
+    authority: str = typer.Option(..., help="AuthorityBlock to add the root grant to (created if missing)."),
+    id: str = typer.Option(..., "--id"),
+    principal: str = typer.Option(..., help="Principal or glob, e.g. team-a/*."),
+    kinds: str = typer.Option("*", help="Comma-separated kinds, or *."),
+    models: str = typer.Option("*", help="Comma-separated models, or *."),
+    gpu_types: str = typer.Option("*", "--gpu-types", help="Comma-separated GPU types, or *."),
+    max_gpus: int = typer.Option(..., "--max-gpus"),
+    max_cost: float = typer.Option(..., "--max-cost", help="Max cost per run."),
+    expires: Optional[datetime] = typer.Option(None, help="Expiry (ISO 8601, UTC unless given)."),
+    can_delegate: bool = typer.Option(False, "--can-delegate"),
+    can_approve: bool = typer.Option(False, "--can-approve"),
+) -> None:
+    """Add a root grant to an AuthorityBlock, as the Prefect UI's block editor would (needs the Prefect API)."""
+    from blocks import AuthorityBlock, Grant
+
+    try:
+        block = AuthorityBlock.load(authority)
+    except ValueError:
+        block = AuthorityBlock()
+    if any(g.id == id for g in block.grants):
+        console.print(f"[red]AuthorityBlock {authority!r} already has a grant {id!r}: choose another --id[/red]")
+        raise typer.Exit(1)
+    grant = Grant(id=id, principal=principal, kinds=_names(kinds) or ["*"], models=_names(models) or ["*"],
+                  gpu_types=_names(gpu_types) or ["*"], max_gpus=max_gpus, max_cost_per_run=max_cost,
+                  expires_at=expires, can_delegate=can_delegate, can_approve=can_approve)
+    AuthorityBlock(grants=[*block.grants, grant]).save(authority, overwrite=True)
+    console.print(f"added root grant [bold]{id}[/bold] for {principal} to AuthorityBlock {authority!r}")
+
+
 @grants_app.command("delegate")
 def grants_delegate(
     parent: str = typer.Argument(..., help="Id of the grant to delegate from."),

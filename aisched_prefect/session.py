@@ -288,11 +288,6 @@ class RunnerSession:
                 remaining_budget=min(h.remaining_after for h in held), rule=outcome.rule,
                 timeout_seconds=outcome.timeout_seconds,
             ), held, payload, ids, facts)
-            chain, refusal = self._authorize(facts)  # a revocation while the run waited denies it too
-            if chain is None:
-                self.ledger.settle([h.id for h in held], None, kind="settlement",
-                                   payload={**payload, "outcome": "revoked-while-waiting"}, **ids)
-                raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
         ticket = self.signer.issue(
             admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
             chain=tuple(payload["chain"]), expires_at=time.time() + self.config.ticket_ttl_seconds,
@@ -346,6 +341,11 @@ class RunnerSession:
             raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
                                   "ask an approver again, or change the request")
         self.ledger.record("approval", {**payload, **verdict.model_dump()}, **ids)
+        chain, refusal = self._authorize(facts)  # a revocation while the run waited denies it too
+        if chain is None:
+            self.ledger.settle(hold_ids, None, kind="settlement",
+                               payload={**payload, "outcome": "revoked-while-waiting"}, **ids)
+            raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
         return self.ledger.record("admission", {**payload, "approval": verdict.approver,
                                                 "holds": [h.model_dump() for h in held]}, **ids)
 

@@ -23,7 +23,7 @@ def finetune():
     return "trained"
 
 
-def run_paused_flow(address: str, ledger_url: str, answer: dict | None, timeout: int = 60):
+def run_paused_flow(address: str, ledger_url: str, answer: dict | None, timeout: int = 60, before_resume=None):
     name = f"approval-{uuid.uuid4().hex[:8]}"
 
     @flow(name=name, task_runner=runner(address, ledger_url, approval_policy=ask_for_training(timeout)))
@@ -47,6 +47,8 @@ def run_paused_flow(address: str, ledger_url: str, answer: dict | None, timeout:
             time.sleep(0.2)
     if answer is not None:
         assert flow_run_id is not None, "the flow run never paused for approval"
+        if before_resume is not None:
+            before_resume()
         for _ in range(50):  # the input schema is saved just after the Paused state
             try:
                 resume_flow_run(flow_run_id, run_input=answer)
@@ -112,3 +114,17 @@ def test_only_holders_of_the_right_to_approve_may_approve(gpu_cluster, sqlite_ur
     assert "'mallory' holds no grant with the right to approve this run" in out
     approval = [r for r in Ledger(sqlite_url).records() if r.kind == "approval"][-1]
     assert approval.payload["approved"] is False and approval.payload["approver"] == "mallory"
+
+
+def test_a_run_waiting_for_approval_is_denied_if_its_grant_is_revoked_meanwhile(gpu_cluster, sqlite_url):
+    from aisched_prefect.grants import revoke_grant
+
+    ledger = Ledger(sqlite_url)
+    out = run_paused_flow(gpu_cluster.scheduler_address, sqlite_url,
+                          {"approve": True, "approver": "alice", "reason": "fine"},
+                          before_resume=lambda: revoke_grant("team-a-root", by="security", reason="incident",
+                                                             ledger=ledger))
+    assert "denied at authority" in out and "'team-a-root' is revoked" in out
+    kinds = [r.kind for r in ledger.records()]
+    assert kinds[-2:] == ["settlement", "denial"] and "admission" not in kinds
+    assert ledger.accounts()[0]["pending"] == 0

@@ -88,3 +88,15 @@ def test_cli_delegate_revoke_list(sqlite_url):
     assert cli.invoke(app, ["grants", "revoke", "c1", "--by", "alice", "--reason", "done", "--ledger", sqlite_url]).exit_code == 0
     listed = cli.invoke(app, ["grants", "list", "--ledger", sqlite_url])
     assert "c1" in listed.stdout and "True" in listed.stdout
+
+
+def test_cli_adds_root_grants_to_the_block():
+    cli = CliRunner()
+    args = ["grants", "add-root", "--authority", "cli-roots", "--id", "ops-root", "--principal", "ops/*",
+            "--kinds", "training,inference", "--max-gpus", "8", "--max-cost", "40", "--can-delegate"]
+    AuthorityBlock(grants=[]).save("cli-roots", overwrite=True)
+    assert cli.invoke(app, args).exit_code == 0
+    again = cli.invoke(app, args)
+    assert again.exit_code == 1 and "already has a grant 'ops-root'" in again.stdout
+    (grant,) = AuthorityBlock.load("cli-roots").grants
+    assert grant.kinds == ["training", "inference"] and grant.max_gpus == 8 and grant.can_delegate
