@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 from dask_gpu.errors import DeviceUnavailable
 from dask_gpu.inventory import GPUDevice
-from dask_gpu.live import DeviceState
 from dask_gpu.request import GPURequest
 
 LiveState = Callable[[], "dict[str, DeviceState] | None"]

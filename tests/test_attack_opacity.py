@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import sqlalchemy as sa
 from prefect import flow
 from typer.testing import CliRunner
 
-from aisched_prefect import Ledger, NoAdmissionContext, ai_task
+from aisched_prefect import Ledger
 from aisched_prefect.cli import app
 from aisched_prefect.grants import delegate_grant, revoke_grant
-from aisched_prefect.ledger import grants as grants_table
-from blocks import AuthorityBlock, DelegationRefused, Grant
+from blocks import AuthorityBlock
 from tests.authority_helpers import ROOT, infer, outcome, train
 from tests.helpers import runner
 
