@@ -69,3 +69,48 @@ def test_many_sub_flows_at_once_each_on_their_own_authority(gpu_cluster, sqlite_
     assert all(f"principal 'team-b/helper-{i}' holds no grant" in h for i, h in enumerate(helpers))
     denials = [r for r in Ledger(sqlite_url).records() if r.kind == "denial"]
     assert sorted(r.principal for r in denials) == [f"team-b/helper-{i}" for i in range(4)]
+
+
+def test_a_flow_in_another_process_gets_no_authority_from_this_one(gpu_cluster, sqlite_url, tmp_path):
+    """A separate process (say, an agent's own script) on the same cluster and ledger, without a grant."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    script = tmp_path / "outsider.py"
+    script.write_text(f'''
+from prefect import flow
+from aisched_prefect import AISchedTaskRunner, AdmissionDenied, ai_task
+from blocks import AuthorityBlock, BudgetBlock, Grant
+
+@ai_task(gpus=1, kind="inference", est_seconds=5)
+def infer(i):
+    return i
+
+@flow(task_runner=AISchedTaskRunner(
+    principal="team-b/outsider", address={gpu_cluster.scheduler_address!r}, ledger_url={sqlite_url!r},
+    authority=AuthorityBlock(grants=[Grant(id="team-a-root", principal="team-a/*", max_gpus=4, max_cost_per_run=10)]),
+    budget=BudgetBlock(limit=10, gpu_hour_prices={{"*": 1.0}})))
+def outsider():
+    try:
+        return infer(1)
+    except AdmissionDenied as exc:
+        return "denied: " + str(exc)
+
+print(outsider())
+''')
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "ERROR"}
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT, principal="team-a/boss"))
+    def parent():
+        mine = outcome(infer, 0)
+        child = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+        return mine, child.stdout
+
+    mine, printed = parent()
+    assert mine == 0
+    assert "denied: denied at authority: principal 'team-b/outsider' holds no grant" in printed
+    denial = [r for r in Ledger(sqlite_url).records() if r.kind == "denial"]
+    assert [r.principal for r in denial] == ["team-b/outsider"]

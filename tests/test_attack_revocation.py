@@ -148,3 +148,50 @@ def test_a_burst_of_admissions_after_revocation_is_denied_every_time(gpu_cluster
     assert first == -1 and failed == [True] * 8
     kinds = [r.kind for r in ledger.records()]
     assert kinds.count("admission") == 1 and kinds.count("denial") == 8
+
+
+def test_a_task_queued_behind_others_is_stopped_before_it_starts(gpu_cluster, sqlite_url, tmp_path):
+    """The only A10 is busy; a second A10 task waits in Dask; its grant is revoked; it never runs."""
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    from dask_gpu import run_subprocess
+
+    ledger = Ledger(sqlite_url)
+    for gid, who in (("busy", "team-a/busy"), ("queued", "team-a/queued")):
+        delegate_grant("team-a-root", id=gid, principal=who, by="alice", authority=ROOT, ledger=ledger)
+    started, ran = tmp_path / "busy-started", tmp_path / "queued-ran"
+
+    @ai_task(gpus=1, gpu_type="A10", kind="training", est_seconds=60)
+    def on_the_a10(marker: str, seconds: float):
+        Path(marker).write_text("x")
+        run_subprocess([sys.executable, "-c", f"import time; time.sleep({seconds})"], check=True)
+        return "ran"
+
+    def flow_for(grant: str, marker: Path, seconds: float):
+        @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=ROOT,
+                                 principal=f"team-a/{grant}", grant=grant))
+        def f():
+            return outcome(on_the_a10, str(marker), seconds)
+
+        return f
+
+    results: dict[str, str] = {}
+    busy = threading.Thread(target=lambda: results.update(busy=flow_for("busy", started, 4.0)()))
+    busy.start()
+    deadline = time.time() + 60
+    while not started.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    queued = threading.Thread(target=lambda: results.update(queued=flow_for("queued", ran, 0)()))
+    queued.start()
+    time.sleep(1.5)  # admitted, waiting in Dask for the A10
+    revoke_grant("queued", by="alice", reason="pulled", ledger=ledger)
+    busy.join()
+    queued.join()
+    assert results["busy"] == "ran"
+    assert not ran.exists()  # the queued task's body never ran
+    assert results["queued"].startswith("denied: denied at revocation") and "before the task started" in results["queued"]
+    outcomes = [r.payload.get("outcome") for r in ledger.records() if r.kind == "settlement"]
+    assert sorted(outcomes) == ["completed", "revoked-while-queued"]
