@@ -141,8 +141,7 @@ class RunnerSession:
             if not running:
                 continue
             try:
-                # Revoked in the ledger (CLI, API), marked revoked in the AuthorityBlock, or past expiry.
-                revoked = self.ledger.revoked_ids() | {g.id for g in self._roots().values() if g.revoked}
+                _, revoked = self._authority_now()  # revoked in the ledger or the block; expiry below
                 now = time.time()
                 victims = [k for k, (chain, expiry) in running.items() if k not in self._stopping
                            and (revoked.intersection(chain) or (expiry is not None and now >= expiry))]
@@ -197,6 +196,16 @@ class RunnerSession:
             self._authority_read_at = time.monotonic()
         return {g.id: g for g in self.authority.grants}
 
+    def _authority_now(self) -> tuple[dict[str, Grant], set[str]]:
+        """Root grants with every revocation applied, and every revoked id (ledger, or flagged in the block).
+
+        The one place admission, approval and the revocation watcher learn what is revoked.
+        """
+        roots = self._roots()
+        revoked = self.ledger.revoked_ids() | {gid for gid, g in roots.items() if g.revoked}
+        return {gid: g.model_copy(update={"revoked": True}) if gid in revoked and not g.revoked else g
+                for gid, g in roots.items()}, revoked
+
     def _authorize(self, facts: RunFacts) -> tuple[list[Grant] | None, str]:
         """The chain of grants, root first, that authorizes this run; or None and why not.
 
@@ -205,8 +214,7 @@ class RunnerSession:
         With `grant=` the run acts under exactly that grant's chain; without it,
         under the first root grant for the principal that covers it.
         """
-        revoked = self.ledger.revoked_ids()
-        roots = {gid: g.model_copy(update={"revoked": True}) if gid in revoked else g for gid, g in self._roots().items()}
+        roots, revoked = self._authority_now()
         if self.config.grant is None:
             decision = authorize(list(roots.values()), facts)
             return ([decision.grant], "") if decision.grant else (None, "; ".join(decision.reasons))
@@ -298,8 +306,7 @@ class RunnerSession:
 
     def _approver_grant(self, approver: str, facts: RunFacts) -> list[Grant] | None:
         """The chain by which `approver` holds the right to approve a run like this one, if any."""
-        revoked = self.ledger.revoked_ids()
-        roots = self._roots()
+        roots, revoked = self._authority_now()
         stored = self.ledger.delegated_grants()
         for grant in [*roots.values(), *stored.values()]:
             if not (grant.can_approve and grant.covers_principal(approver)):
