@@ -13,6 +13,7 @@ from aisched_prefect.errors import (
     AISchedError,
     ConfigurationError,
     InvalidAIRequest,
+    InvalidUsage,
     NoAdmissionContext,
     TicketRejected,
 )
@@ -22,6 +23,7 @@ from aisched_prefect.report import evidence_rows
 from aisched_prefect.request import AIRequest
 from aisched_prefect.runner import AISchedTaskRunner
 from aisched_prefect.task import ai_task, request_of
+from aisched_prefect.usage import ReportedUsage, report_usage
 from aisched_prefect.worker import task_logger
 from dask_gpu import current_devices, run_subprocess
 
@@ -38,14 +40,17 @@ __all__ = [
     "ConfigurationError",
     "EvidenceRecord",
     "InvalidAIRequest",
+    "InvalidUsage",
     "Ledger",
     "NoAdmissionContext",
     "PolicyApprover",
     "PrefectPauseApprover",
+    "ReportedUsage",
     "TicketRejected",
     "ai_task",
     "current_devices",
     "evidence_rows",
+    "report_usage",
     "request_of",
     "run_subprocess",
     "task_logger",

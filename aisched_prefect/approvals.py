@@ -27,7 +27,7 @@ class ApprovalRequest(BaseModel):
     request: dict[str, Any]
     est_cost: float
     currency: str
-    remaining_budget: float
+    remaining_budget: float | None  # least money left on any covering budget after the hold; None: no money limit
     rule: str | None
     timeout_seconds: int
 
@@ -38,7 +38,8 @@ class ApprovalRequest(BaseModel):
             f"- principal: `{self.principal}` (grant `{self.grant_id}`)\n"
             f"- request: {req}\n"
             f"- estimated cost: {self.est_cost:.4f} {self.currency} "
-            f"(budget left after hold: {self.remaining_budget:.4f})\n"
+            + (f"(budget left after hold: {self.remaining_budget:.4f})" if self.remaining_budget is not None else "(no money limit)")
+            + "\n"
             f"- asked by rule: `{self.rule}`\n"
             f"- no answer within {self.timeout_seconds}s denies the run"
         )

@@ -15,6 +15,7 @@ class RunnerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     principal: str = Field(min_length=1)
+    tenant: str | None = Field(default=None, min_length=1)
     grant: str | None = None
     authority: str | AuthorityBlock
     budget: str | BudgetBlock
@@ -25,6 +26,8 @@ class RunnerConfig(BaseModel):
     ledger_url: str | None = None
     max_workers: int | None = None
     ticket_ttl_seconds: float = Field(default=24 * 3600, gt=0)
+    hold_lease_seconds: float = Field(default=300.0, ge=1)
+    top_up_fraction: float = Field(default=0.5, gt=0, le=10)
 
     @field_validator("principal")
     @classmethod

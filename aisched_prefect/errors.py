@@ -29,3 +29,7 @@ class TicketRejected(AISchedError):
 
 class ConfigurationError(AISchedError, ValueError):
     """The runner was configured with something it cannot use."""
+
+
+class InvalidUsage(AISchedError, ValueError):
+    """A task reported usage that cannot be right (negative tokens or cost)."""

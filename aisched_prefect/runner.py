@@ -35,6 +35,11 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         declared: declared GPU inventory for the embedded cluster (else DASK_GPU_DECLARED, else NVML).
         ledger_url: SQLAlchemy URL of the ledger (else AISCHED_LEDGER_URL, else ~/.aisched/ledger.db).
         max_workers: flow-process threads that run task engines.
+        tenant: who pays, for tenant-scoped budget limits; None: the principal up to its first '/'.
+        hold_lease_seconds: lease of each budget hold, renewed while its task runs; if this
+            process dies, its holds expire this long after the last renewal (charged in full).
+        top_up_fraction: a GPU task nearing the runtime its hold covers asks for this share of
+            est_seconds more; if refused, it is stopped when the cover runs out.
     """
 
     def __init__(
@@ -50,12 +55,16 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         ledger_url: str | None = None,
         max_workers: int | None = None,
         ticket_ttl_seconds: float = 24 * 3600,
+        tenant: str | None = None,
+        hold_lease_seconds: float = 300.0,
+        top_up_fraction: float = 0.5,
     ) -> None:
         try:
             self._config = RunnerConfig(
                 principal=principal, authority=authority, budget=budget, grant=grant, approval_policy=approval_policy,
                 approver=approver, address=address, declared=declared, ledger_url=ledger_url,
-                max_workers=max_workers, ticket_ttl_seconds=ticket_ttl_seconds,
+                max_workers=max_workers, ticket_ttl_seconds=ticket_ttl_seconds, tenant=tenant,
+                hold_lease_seconds=hold_lease_seconds, top_up_fraction=top_up_fraction,
             )
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())

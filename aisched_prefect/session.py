@@ -3,10 +3,16 @@
 The runner opens a session when the flow run enters it and closes it at the
 end; nothing here is shared between flow runs. Every AI task call goes
 through `RunnerSession.run`: feasibility, pricing, authority, approval policy,
-budget hold (+ evidence, one transaction), person approval if asked, Dask with
-resource annotations and a ticket, then settlement (+ evidence, one
-transaction). The Prefect task engine itself stays in the flow process, so the
-worker only sees the user function: no Prefect context is serialized per task.
+budget holds on every account that covers the run (+ evidence, one
+transaction), person approval if asked, Dask with resource annotations and a
+ticket, then settlement (+ evidence, one transaction). The Prefect task engine
+itself stays in the flow process, so the worker only sees the user function:
+no Prefect context is serialized per task.
+
+One watcher thread per session keeps running work honest: it stops tasks
+whose grant was revoked or expired, renews the leases of live holds, and
+tops up a GPU task's hold before it runs past what the hold covers (stopping
+it cleanly at the cover if the top-up is refused).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
@@ -27,11 +34,12 @@ from aisched_prefect.approvals import ApprovalRequest, Approver, PolicyApprover,
 from aisched_prefect.config import RunnerConfig
 from aisched_prefect.errors import AdmissionDenied, TicketRejected
 from aisched_prefect.evidence import EvidenceRecord
-from aisched_prefect.ledger import BudgetExceeded, BudgetLine, Hold, Ledger
+from aisched_prefect.ledger import BudgetAlert, BudgetExceeded, Hold, Ledger
 from aisched_prefect.report import evidence_rows
 from aisched_prefect.request import AIRequest
 from aisched_prefect.tickets import AdmissionTicket, TicketSigner
-from aisched_prefect.worker import WorkerOutcome, run_admitted
+from aisched_prefect.usage import ReportedUsage
+from aisched_prefect.worker import STARTED_TOPIC, WorkerOutcome, run_admitted
 from blocks import (
     ApprovalPolicyBlock,
     AuthorityBlock,
@@ -40,8 +48,8 @@ from blocks import (
     Grant,
     RunFacts,
     UnpriceableRequest,
+    Usage,
     authorize,
-    period_key,
     resolve_chain,
     utc,
 )
@@ -62,6 +70,8 @@ ARTIFACT_KEY = "aisched-evidence"
 INVENTORY_TTL_SECONDS = 5.0
 REVOCATION_POLL_SECONDS = 0.5
 BLOCK_TTL_SECONDS = 5.0
+TOP_UP_AT = 0.8  # ask for a top-up when a GPU task has used this share of the time its holds cover
+ALERT_EVENT = "aisched.budget.threshold-crossed"
 
 
 class Admission(BaseModel):
@@ -71,11 +81,29 @@ class Admission(BaseModel):
 
     ticket: AdmissionTicket
     workers: list[str]
-    hold_ids: list[str]
+    holds: list[Hold]
     reserved: float
     priced_type: str | None
     chain: list[str]
     expires_at: float | None  # the earliest expiry in the chain: expiry stops the run like revocation
+    facts: RunFacts
+
+
+@dataclass
+class _Running:
+    """One AI task between submission and settlement, as the watcher thread sees it."""
+
+    request: AIRequest
+    admission: Admission
+    payload: dict[str, Any]
+    ids: dict[str, Any]
+    holds: list[Hold]
+    covered_seconds: float  # runtime its holds pay for; grows with each top-up
+    extra_cost: float = 0.0  # money held by top-ups
+    started_at: float | None = None  # monotonic, when the worker reported it holds its devices
+    top_up_refused: str | None = None
+    stop_reason: str | None = None
+    asked: set[float] = field(default_factory=set)
 
 
 def _version(model: BaseModel) -> str:
@@ -110,7 +138,8 @@ class RunnerSession:
             PrefectPauseApprover() if config.approver == "pause"
             else PolicyApprover() if config.approver == "policy" else config.approver
         )
-        self.ledger = Ledger(config.ledger_url)
+        self.ledger = Ledger(config.ledger_url, lease_seconds=config.hold_lease_seconds, on_alert=self._alert)
+        self.tenant = config.tenant or config.principal.split("/")[0]
         self.cluster: LocalGPUCluster | None = None
         try:
             if config.address:
@@ -125,32 +154,126 @@ class RunnerSession:
             self.close()
             raise
         self.flow_run_ids: set[str] = set()
-        # Running AI tasks (Dask key -> grant chain) and the watcher that stops them on revocation.
-        self._running: dict[str, tuple[list[str], float | None]] = {}  # key -> (chain, earliest expiry)
-        self._stopping: set[str] = set()
+        # AI tasks between submission and settlement (Dask key -> state), holds to keep leased, and the watcher.
+        self._running: dict[str, _Running] = {}
+        self._live_holds: set[str] = set()
         self._running_lock = threading.Lock()
+        self.client.subscribe_topic(STARTED_TOPIC, self._on_started)
         self._closing = threading.Event()
-        self._watcher = threading.Thread(target=self._watch_revocations, name="aisched-revocation-watch", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="aisched-watch", daemon=True)
         self._watcher.start()
 
-    def _watch_revocations(self) -> None:
-        """Stop running (and queued) tasks whose chain holds a revoked grant, within REVOCATION_POLL_SECONDS."""
+    def _on_started(self, event: tuple[float, Any]) -> None:
+        key = event[1].get("key") if isinstance(event[1], dict) else None
+        with self._running_lock:
+            run = self._running.get(key)
+            if run is not None and run.started_at is None:
+                run.started_at = time.monotonic()
+
+    def _alert(self, alert: BudgetAlert) -> None:
+        """A budget crossed 50/80/100%: a log line, and a Prefect event automations can act on."""
+        logger.warning("budget %r (%s, %s) is at %.0f%% of its limit %.2f: crossed %d%%", alert.budget, alert.period,
+                       alert.unit, alert.used * 100, alert.limit, alert.threshold)
+        try:
+            from prefect.events import emit_event
+
+            emit_event(event=ALERT_EVENT, resource={
+                "prefect.resource.id": f"aisched.budget.{alert.budget}", "prefect.resource.name": alert.budget,
+                "aisched.period": alert.period, "aisched.unit": alert.unit, "aisched.threshold": str(alert.threshold),
+            }, payload=alert.model_dump())
+        except Exception:  # an alert that cannot be sent must not fail the ledger write that caused it
+            logger.exception("could not emit the budget alert event")
+
+    def _watch(self) -> None:
+        """Every REVOCATION_POLL_SECONDS: revocation and expiry stops, budget top-ups and caps, hold leases."""
+        renewed_at = time.monotonic()
         while not self._closing.wait(REVOCATION_POLL_SECONDS):
-            with self._running_lock:
-                running = dict(self._running)
-            if not running:
-                continue
             try:
-                _, revoked = self._authority_now()  # revoked in the ledger or the block; expiry below
-                now = time.time()
-                victims = [k for k, (chain, expiry) in running.items() if k not in self._stopping
-                           and (revoked.intersection(chain) or (expiry is not None and now >= expiry))]
-                if victims:
-                    request_stop(self.client, victims)
-                    self._stopping.update(victims)
-                    logger.warning("grant revoked: stopping %d running AI task(s)", len(victims))
+                with self._running_lock:
+                    running = dict(self._running)
+                if running:
+                    self._stop_revoked(running)
+                    self._enforce_cover(running)
+                if time.monotonic() - renewed_at >= self.config.hold_lease_seconds / 3:
+                    with self._running_lock:
+                        live = list(self._live_holds)
+                    lost = set(live) - self.ledger.renew(live)
+                    with self._running_lock:
+                        lost &= self._live_holds
+                    if lost:
+                        logger.warning("%d hold(s) were no longer pending when renewed (expired or settled)", len(lost))
+                    renewed_at = time.monotonic()
             except Exception:  # keep watching; the next poll retries
-                logger.exception("revocation watcher failed; retrying")
+                logger.exception("watcher failed; retrying")
+
+    def _stop(self, keys: list[str], reason: str) -> None:
+        with self._running_lock:
+            for k in keys:
+                if k in self._running:
+                    self._running[k].stop_reason = reason
+        request_stop(self.client, keys)
+
+    def _stop_revoked(self, running: dict[str, _Running]) -> None:
+        """Stop running (and queued) tasks whose chain holds a revoked or expired grant."""
+        _, revoked = self._authority_now()  # revoked in the ledger or the block; expiry below
+        now = time.time()
+        victims = [k for k, r in running.items() if r.stop_reason is None
+                   and (revoked.intersection(r.admission.chain)
+                        or (r.admission.expires_at is not None and now >= r.admission.expires_at))]
+        if victims:
+            self._stop(victims, "revoked")
+            logger.warning("grant revoked: stopping %d running AI task(s)", len(victims))
+
+    def _enforce_cover(self, running: dict[str, _Running]) -> None:
+        """Top up GPU tasks nearing the end of their cover; stop those refused once they reach it."""
+        now = time.monotonic()
+        for key, r in running.items():
+            if r.started_at is None or r.stop_reason is not None or not r.request.gpus:
+                continue
+            elapsed = now - r.started_at
+            if r.top_up_refused is None and elapsed >= TOP_UP_AT * r.covered_seconds:
+                self._top_up(r)
+            if r.top_up_refused is not None and elapsed >= r.covered_seconds:
+                logger.warning("AI task %s reached the %.1fs its budget holds cover; stopping it (%s)",
+                               r.payload["task"], r.covered_seconds, r.top_up_refused)
+                self._stop([key], "budget")
+
+    def _top_up(self, r: _Running) -> None:
+        """Hold more for a running GPU task, through the same authority, policy and budget checks."""
+        request, adm = r.request, r.admission
+        extra = request.est_seconds * self.config.top_up_fraction
+        hour_price = self.budget.gpu_hour_price(adm.priced_type) if adm.priced_type else 0.0
+        usage = Usage(money=request.gpus * extra / 3600 * hour_price, gpu_hours=request.gpus * extra / 3600)
+        total = adm.facts.model_copy(update={"est_seconds": r.covered_seconds + extra,
+                                             "est_cost": (adm.facts.est_cost or 0) + r.extra_cost + usage.money})
+        payload = {**r.payload, "top_up": {"seconds": extra, "covered_before": r.covered_seconds,
+                                           "cost": usage.money, "total_cost": total.est_cost}}
+        why = None
+        chain, refusal = self._authorize(total)
+        if chain is None:
+            why = f"authority: {refusal}"
+        elif self.policy is not None:
+            outcome = self.policy.evaluate(total)
+            if outcome.action == "deny":
+                why = f"approval policy rule {outcome.rule!r} denies a run this large"
+            elif outcome.action == "ask":
+                why = (f"approval policy rule {outcome.rule!r} asks a person for a run this large, and a running task "
+                       "cannot wait for one; declare est_seconds that covers the run so it is approved at admission")
+        if why is None:
+            try:
+                held, _ = self.ledger.reserve(self.budget.lines(self.budget_name, adm.facts, usage),
+                                              kind="top-up", payload=payload, **r.ids)
+            except BudgetExceeded as exc:
+                why = f"budget: {exc}"
+            else:
+                with self._running_lock:
+                    r.holds.extend(held)
+                    self._live_holds.update(h.id for h in held)
+                r.covered_seconds += extra
+                r.extra_cost += usage.money
+                return
+        r.top_up_refused = why
+        self.ledger.record("top-up-refused", {**payload, "reason": why}, **r.ids)
 
     def close(self) -> None:
         watcher = getattr(self, "_watcher", None)
@@ -233,7 +356,7 @@ class RunnerSession:
         return AdmissionDenied(stage, reason, fix)
 
     def run(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
-            *, task_name: str, task_run_id: str, flow_run_id: str) -> Any:
+            *, task_name: str, task_run_id: str, flow_run_id: str, flow_name: str | None = None) -> Any:
         """Admit one call of an AI task, run it on its devices, settle it; return its result."""
         self.flow_run_ids.add(flow_run_id)
         ids = {"flow_run_id": flow_run_id, "task_run_id": task_run_id, "principal": self.config.principal}
@@ -241,10 +364,10 @@ class RunnerSession:
             "task": task_name, "request": request.model_dump(), "authority": self.authority_name,
             "budget": self.budget_name, "policy": self.config.approval_policy if isinstance(self.config.approval_policy, str) else None,
         }
-        admission = self._admit(request, payload, ids)
+        admission = self._admit(request, payload, ids, flow_name)
         return self._execute(fn, request, args, kwargs, admission, payload, ids, task_name)
 
-    def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any]) -> Admission:
+    def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any], flow_name: str | None = None) -> Admission:
         """Feasibility, pricing, authority, policy, budget hold, then a person if the policy asks."""
         gpu_request = request.gpu_request()
         try:
@@ -258,7 +381,8 @@ class RunnerSession:
             raise self._deny("pricing", str(exc), f"add the price to BudgetBlock {self.budget_name!r}", payload, ids) from None
         payload["estimate"] = estimate.model_dump()
         facts = RunFacts(
-            principal=self.config.principal, kind=request.kind, model=request.model, gpus=request.gpus,
+            principal=self.config.principal, tenant=self.tenant, flow=flow_name,
+            kind=request.kind, model=request.model, gpus=request.gpus,
             gpu_types=tuple(types),
             est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount,
         )
@@ -278,30 +402,33 @@ class RunnerSession:
             raise self._deny("approval", f"approval policy rule {outcome.rule!r} denies this run",
                              "change the request or the rule in the ApprovalPolicyBlock", payload, ids)
         asking = outcome is not None and outcome.action == "ask"
-        lines = [BudgetLine(budget=self.budget_name, period=period_key(self.budget.period), limit=self.budget.limit)]
+        usage = Usage(money=estimate.amount, gpu_hours=request.gpus * request.est_seconds / 3600, tokens=request.est_tokens)
+        lines = self.budget.lines(self.budget_name, facts, usage)
         try:
             held, record = self.ledger.reserve(
-                lines, estimate.amount, kind="approval-requested" if asking else "admission",
+                lines, kind="approval-requested" if asking else "admission",
                 payload={**payload, "approval": "pending" if asking else "not required"}, **ids,
             )
         except BudgetExceeded as exc:
-            raise self._deny("budget", str(exc), f"raise the limit of BudgetBlock {self.budget_name!r} or lower est_seconds/gpus",
-                             payload, ids) from None
+            raise self._deny("budget", str(exc), f"raise the limit of {exc.budget!r} in BudgetBlock {self.budget_name!r}, "
+                             "or lower est_seconds/gpus/est_tokens", payload, ids) from None
+        with self._running_lock:
+            self._live_holds.update(h.id for h in held)
         if asking:
             assert outcome is not None
             record = self._ask_person(ApprovalRequest(
                 flow_run_id=ids["flow_run_id"], task_run_id=ids["task_run_id"], task_name=payload["task"],
                 principal=self.config.principal, grant_id=grant_id, request=payload["request"],
                 est_cost=estimate.amount, currency=self.budget.currency,
-                remaining_budget=min(h.remaining_after for h in held), rule=outcome.rule,
+                remaining_budget=min((h.remaining_after for h in held if h.unit == "money"), default=None), rule=outcome.rule,
                 timeout_seconds=outcome.timeout_seconds,
             ), held, payload, ids, facts)
         ticket = self.signer.issue(
             admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
             chain=tuple(payload["chain"]), expires_at=time.time() + self.config.ticket_ttl_seconds,
         )
-        return Admission(ticket=ticket, workers=workers, hold_ids=[h.id for h in held], reserved=estimate.amount,
-                         priced_type=estimate.gpu_type_priced, chain=payload["chain"],
+        return Admission(ticket=ticket, workers=workers, holds=held, reserved=estimate.amount,
+                         priced_type=estimate.gpu_type_priced, chain=payload["chain"], facts=facts,
                          expires_at=min((utc(g.expires_at).timestamp() for g in chain if g.expires_at), default=None))
 
     def _approver_grant(self, approver: str, facts: RunFacts) -> list[Grant] | None:
@@ -327,11 +454,10 @@ class RunnerSession:
         grant with the right to approve that covers this run; the requester
         never approves its own run.
         """
-        hold_ids = [h.id for h in held]
         try:
             verdict = self.approver.decide(ask)
         except BaseException:
-            self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, **ids)
+            self._settle(held, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, ids=ids)
             raise
         if verdict.channel != "policy":
             approving = self._approver_grant(verdict.approver, facts)
@@ -343,27 +469,61 @@ class RunnerSession:
             else:
                 payload = {**payload, "approver_chain": [g.id for g in approving]}
         if not verdict.approved:
-            self.ledger.settle(hold_ids, None, kind="approval",
-                               payload={**payload, **verdict.model_dump(), "outcome": "rejected"}, **ids)
+            self._settle(held, None, kind="approval",
+                         payload={**payload, **verdict.model_dump(), "outcome": "rejected"}, ids=ids)
             raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
                                   "ask an approver again, or change the request")
         self.ledger.record("approval", {**payload, **verdict.model_dump()}, **ids)
         chain, refusal = self._authorize(facts)  # a revocation while the run waited denies it too
         if chain is None:
-            self.ledger.settle(hold_ids, None, kind="settlement",
-                               payload={**payload, "outcome": "revoked-while-waiting"}, **ids)
+            self._settle(held, None, kind="settlement",
+                         payload={**payload, "outcome": "revoked-while-waiting"}, ids=ids)
             raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
         return self.ledger.record("admission", {**payload, "approval": verdict.approver,
                                                 "holds": [h.model_dump() for h in held]}, **ids)
 
     # -- execution and settlement ---------------------------------------------------
+    def _settle(self, held: list[Hold], charges: dict[str, float] | None, *, kind: str, payload: dict[str, Any],
+                ids: dict[str, Any]) -> None:
+        self.ledger.settle([h.id for h in held], charges, kind=kind, payload=payload, **ids)
+        with self._running_lock:
+            self._live_holds.difference_update(h.id for h in held)
+
+    @staticmethod
+    def _held(held: list[Hold]) -> dict[str, float]:
+        """What the holds cover, per account: the charge of a run whose outcome is unknown."""
+        out: dict[str, float] = {}
+        for h in held:
+            out[h.budget] = out.get(h.budget, 0.0) + h.reserved
+        return out
+
+    def _charges(self, facts: RunFacts, request: AIRequest, gpu_type: str | None, seconds: float,
+                 reported: ReportedUsage | None, held: list[Hold]) -> dict[str, float]:
+        """What a run used, per account it holds: GPU time at its real type, reported (else estimated) tokens.
+
+        Accounts for GPU types it did not land on get nothing (their holds are voided).
+        """
+        tokens = reported.tokens if reported is not None else request.est_tokens
+        money = self.budget.actual_cost(request.gpus, seconds, gpu_type)
+        if reported is not None and reported.cost is not None:
+            money += reported.cost
+        elif tokens:
+            try:
+                money += tokens / 1000 * self.budget.token_price(request.model or "*")
+            except UnpriceableRequest:  # reported tokens of a model the budget cannot price: charge the hold
+                return self._held(held)
+        used = Usage(money=money, gpu_hours=request.gpus * seconds / 3600, tokens=tokens)
+        actual = facts.model_copy(update={"gpu_types": (gpu_type,)}) if gpu_type else facts
+        return {line.budget: line.amount for line in self.budget.lines(self.budget_name, actual, used)}
+
     def _execute(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
                  admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:
-        hold_ids = admission.hold_ids
         submitted = time.monotonic()
         key = f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}"
+        state = _Running(request=request, admission=admission, payload=payload, ids=ids,
+                         holds=list(admission.holds), covered_seconds=request.est_seconds)
         with self._running_lock:
-            self._running[key] = (admission.chain, admission.expires_at)
+            self._running[key] = state
         future: Future = self.client.submit(
             run_admitted, admission.ticket, request, fn, args, kwargs,
             key=key,
@@ -374,45 +534,52 @@ class RunnerSession:
         try:
             out: WorkerOutcome = future.result()
         except TicketRejected as exc:
-            self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "ticket-rejected", "error": str(exc)}, **ids)
+            self._settle(state.holds, None, kind="settlement", payload={**payload, "outcome": "ticket-rejected", "error": str(exc)}, ids=ids)
             raise
-        except StopRequested:  # revoked while queued: it never started
-            self.ledger.settle(hold_ids, None, kind="settlement", payload={**payload, "outcome": "revoked-while-queued"}, **ids)
+        except StopRequested:  # stopped while queued: it never started
+            self._settle(state.holds, None, kind="settlement", payload={**payload, "outcome": "revoked-while-queued"}, ids=ids)
             raise AdmissionDenied("revocation", f"a grant in the chain {admission.chain} was revoked before the task started",
                                   "ask for a new grant") from None
         except KilledWorker as exc:  # the worker died mid-task: charge what can have run, at most the hold
             ran = time.monotonic() - submitted
-            cost = min(admission.reserved, self.budget.actual_cost(
-                request.gpus, ran, admission.priced_type, request.est_tokens, request.model))
-            self.ledger.settle(hold_ids, cost, kind="settlement", payload={
-                **payload, "outcome": "worker-died", "error": f"{type(exc).__name__}: {exc}", "seconds": ran}, **ids)
+            held = self._held(state.holds)
+            ran_cost = self._charges(admission.facts, request, admission.priced_type, ran, None, state.holds)
+            self._settle(state.holds, {b: min(v, held.get(b, 0.0)) for b, v in ran_cost.items()}, kind="settlement", payload={
+                **payload, "outcome": "worker-died", "error": f"{type(exc).__name__}: {exc}", "seconds": ran}, ids=ids)
             raise
         except BaseException as exc:  # cancelled, interrupted: outcome unknown, charge the hold
-            self.ledger.settle(hold_ids, admission.reserved, kind="settlement",
-                               payload={**payload, "outcome": "lost", "error": f"{type(exc).__name__}: {exc}"}, **ids)
+            self._settle(state.holds, self._held(state.holds), kind="settlement",
+                         payload={**payload, "outcome": "lost", "error": f"{type(exc).__name__}: {exc}"}, ids=ids)
             raise
         finally:
             future.release()
             with self._running_lock:
                 self._running.pop(key, None)
-            self._stopping.discard(key)
         run = out.run
-        stopped = not out.ok and isinstance(out.error, StopRequested)
+        stopped = state.stop_reason if not out.ok and isinstance(out.error, StopRequested) else None
         if out.logs:
             from prefect.logging import get_run_logger
 
             task_log = get_run_logger()
             for level, message in out.logs:
                 task_log.log(level, message)
-        actual = self.budget.actual_cost(request.gpus, run.seconds, run.gpu_type, request.est_tokens, request.model)
-        self.ledger.settle(hold_ids, actual, kind="settlement", payload={
-            **payload, "outcome": "completed" if out.ok else "stopped-revoked" if stopped else "failed",
+        charges = self._charges(admission.facts, request, run.gpu_type, run.seconds, out.usage, state.holds)
+        outcome = "completed" if out.ok else f"stopped-{stopped}" if stopped else "failed"
+        self._settle(state.holds, charges, kind="settlement", payload={
+            **payload, "outcome": outcome,
             "error": None if out.ok else f"{type(out.error).__name__}: {out.error}",
             "placement": {"worker": run.worker, "host": run.host, "devices": run.device_keys,
                           "gpu_type": run.gpu_type, "source": run.source,
                           "live": None if run.live is None else {k: v.model_dump() for k, v in run.live.items()}},
             "seconds": run.seconds, "gpu_seconds": run.seconds * len(run.devices),
-        }, **ids)
+            "covered_seconds": state.covered_seconds, "top_ups": len(state.holds) - len(admission.holds),
+            "usage": out.usage.model_dump() if out.usage else None, "charges": charges,
+        }, ids=ids)
+        if stopped == "budget":
+            raise AdmissionDenied("budget", f"the task ran {run.seconds:.1f}s, all its budget holds cover "
+                                  f"({state.covered_seconds:.1f}s), and a top-up was refused ({state.top_up_refused}); "
+                                  "it was stopped and charged for what ran",
+                                  "raise est_seconds, or the budget limit, or the grant's max cost")
         if stopped:
             raise AdmissionDenied("revocation", f"a grant in the chain {admission.chain} was revoked while the task ran; "
                                   f"it was stopped after {run.seconds:.1f}s and charged for that", "ask for a new grant")

@@ -14,6 +14,7 @@ from distributed import get_worker
 
 from aisched_prefect.request import AIRequest
 from aisched_prefect.tickets import AdmissionTicket, check_ticket
+from aisched_prefect.usage import ReportedUsage, close_tally, open_tally, summed
 from dask_gpu import DeviceRun, hold_devices
 
 
@@ -28,9 +29,11 @@ class WorkerOutcome(BaseModel):
     error_text: str = ""
     run: DeviceRun
     logs: list[tuple[int, str]] = []  # (level, message) the task logged, replayed into its Prefect task run
+    usage: ReportedUsage | None = None  # what the task reported with report_usage()
 
 
 TASK_LOGGER = "aisched.task"
+STARTED_TOPIC = "aisched-started"  # worker -> flow process: this task holds its devices and starts now
 
 
 def task_logger() -> logging.Logger:
@@ -63,16 +66,22 @@ class _ThreadLogCapture(logging.Handler):
 def run_admitted(ticket: AdmissionTicket | None, request: AIRequest, fn: Callable[..., Any],
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerOutcome:
     """Dask task body of every AI task run. No ticket, no run."""
-    check_ticket(ticket, request.digest, get_worker())
+    worker = get_worker()
+    check_ticket(ticket, request.digest, worker)
     capture = _ThreadLogCapture(threading.get_ident())
     root = logging.getLogger()
     root.addHandler(capture)
+    reports, token = open_tally()
     try:
         with hold_devices(request.gpu_request()) as lease:
+            # The flow process starts the clock of the run's budget cover here, not at submit.
+            worker.log_event(STARTED_TOPIC, {"key": str(worker.get_current_task())})
             try:
                 value, ok, error, text = fn(*args, **kwargs), True, None, ""
             except Exception as exc:  # returned, not raised: settlement needs `lease.run()` too
                 value, ok, error, text = None, False, exc, traceback.format_exc()
     finally:
+        close_tally(token)
         root.removeHandler(capture)
-    return WorkerOutcome(ok=ok, value=value, error=error, error_text=text, run=lease.run(), logs=capture.records)
+    return WorkerOutcome(ok=ok, value=value, error=error, error_text=text, run=lease.run(), logs=capture.records,
+                         usage=summed(reports))

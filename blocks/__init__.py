@@ -2,7 +2,15 @@
 
 from blocks.approval import ApprovalOutcome, ApprovalPolicyBlock, ApprovalRule, evaluate
 from blocks.authority import AuthorityBlock, AuthorityDecision, Grant, authorize, utc
-from blocks.budget import BudgetBlock, CostEstimate, UnpriceableRequest, period_key
+from blocks.budget import (
+    BudgetBlock,
+    BudgetLimit,
+    BudgetLine,
+    CostEstimate,
+    UnpriceableRequest,
+    Usage,
+    period_key,
+)
 from blocks.delegation import ChainBroken, DelegationRefused, delegate, resolve_chain, violations
 from blocks.facts import RunFacts
 
@@ -13,12 +21,15 @@ __all__ = [
     "AuthorityBlock",
     "AuthorityDecision",
     "BudgetBlock",
+    "BudgetLimit",
+    "BudgetLine",
     "ChainBroken",
     "CostEstimate",
     "DelegationRefused",
     "Grant",
     "RunFacts",
     "UnpriceableRequest",
+    "Usage",
     "authorize",
     "delegate",
     "evaluate",

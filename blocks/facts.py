@@ -12,6 +12,10 @@ class RunFacts(BaseModel):
 
     principal: str
     kind: str
+    tenant: str | None = None
+    """Who pays: the runner's tenant=, else the principal up to its first '/'."""
+    flow: str | None = None
+    """Name of the Prefect flow the run belongs to."""
     model: str | None = None
     gpus: float = Field(default=0, ge=0)
     gpu_types: tuple[str, ...] = ()
