@@ -670,38 +670,54 @@ class Ledger:
         account; a dict gives the charge per budget account (holds of accounts
         it leaves out are voided). Several holds of one account (a run and its
         top-ups) share its charge in the order they were taken. A charge above
-        the holds takes what the budget still has and records the rest as
-        uncovered, so spend never passes the limit. Settling twice changes
+        the holds takes what the budgets still have (the same share of the
+        excess on every account, so a team's spend stays the sum of its flows')
+        and records the rest as uncovered, so spend never passes a limit. Settling twice changes
         nothing and records nothing the second time.
         """
         ids = {"flow_run_id": flow_run_id, "task_run_id": task_run_id, "principal": principal}
 
         def op(w: _WriteBatch) -> tuple[list[Settlement], EvidenceRecord | None]:
             found = sorted((w.hold(i) for i in set(hold_ids)), key=lambda h: (h["budget"], h["period"], h["created_at"], h["id"]))
-            out: list[Settlement] = []
+            done: dict[str, Settlement] = {}
+            wants: dict[str, int] = {}  # pending hold id -> what it should be charged
             left: dict[str, int] = {}
             last_of = {h["budget"]: h["id"] for h in found if h["status"] == "pending"}
             for h in found:
                 if h["status"] != "pending":
                     charged = h["charged_micros"] or 0
-                    out.append(Settlement(hold_id=h["id"], charged=from_micros(charged),
-                                          released=from_micros(h["reserved_micros"] - charged),
-                                          status=h["status"], first=False))
-                    continue
-                acct = w.account(h["budget"], h["period"])
-                if actual is None or (isinstance(actual, dict) and h["budget"] not in actual):
-                    w.post(acct, h, 0, "voided")
-                    out.append(Settlement(hold_id=h["id"], charged=0.0, released=from_micros(h["reserved_micros"]),
-                                          status="voided", first=True))
-                    continue
-                if h["budget"] not in left:
-                    left[h["budget"]] = to_micros(actual if not isinstance(actual, dict) else actual[h["budget"]])
-                share = left[h["budget"]] if last_of[h["budget"]] == h["id"] else min(left[h["budget"]], h["reserved_micros"])
-                charged = w.post(acct, h, share, "posted")
-                left[h["budget"]] -= share
-                out.append(Settlement(hold_id=h["id"], charged=from_micros(charged),
-                                      released=from_micros(max(h["reserved_micros"] - charged, 0)),
-                                      uncovered=from_micros(share - charged), status="posted", first=True))
+                    done[h["id"]] = Settlement(hold_id=h["id"], charged=from_micros(charged),
+                                               released=from_micros(h["reserved_micros"] - charged),
+                                               status=h["status"], first=False)
+                elif actual is None or (isinstance(actual, dict) and h["budget"] not in actual):
+                    w.post(w.account(h["budget"], h["period"]), h, 0, "voided")
+                    done[h["id"]] = Settlement(hold_id=h["id"], charged=0.0, released=from_micros(h["reserved_micros"]),
+                                               status="voided", first=True)
+                else:
+                    if h["budget"] not in left:
+                        left[h["budget"]] = to_micros(actual if not isinstance(actual, dict) else actual[h["budget"]])
+                    share = left[h["budget"]] if last_of[h["budget"]] == h["id"] else min(left[h["budget"]], h["reserved_micros"])
+                    left[h["budget"]] -= share
+                    wants[h["id"]] = share
+            # Charges within their holds post as they are. Charges above them post only the share of the
+            # excess that *every* account of this run has room for, so nested budgets stay equal.
+            over = {i: want - w.holds[i]["reserved_micros"] for i, want in wants.items() if want > w.holds[i]["reserved_micros"]}
+            for i, want in wants.items():
+                if i not in over:
+                    w.post(w.account(w.holds[i]["budget"], w.holds[i]["period"]), w.holds[i], want, "posted")
+            fraction = 1.0
+            for i, excess in over.items():
+                acct = w.account(w.holds[i]["budget"], w.holds[i]["period"])
+                fraction = min(fraction, max(acct.free, 0) / excess)
+            for i, excess in over.items():
+                h = w.holds[i]
+                w.post(w.account(h["budget"], h["period"]), h, h["reserved_micros"] + int(excess * fraction), "posted")
+            for i, want in wants.items():
+                h = w.holds[i]
+                done[i] = Settlement(hold_id=i, charged=from_micros(h["charged_micros"]),
+                                     released=from_micros(max(h["reserved_micros"] - h["charged_micros"], 0)),
+                                     uncovered=from_micros(want - h["charged_micros"]), status="posted", first=True)
+            out = [done[h["id"]] for h in found]
             if not any(s.first for s in out):
                 return out, None
             return out, w.append(kind, {**payload, "settlements": [s.model_dump() for s in out]}, ids)
