@@ -172,7 +172,7 @@ class BudgetExceeded(Exception):
         self.budget, self.period, self.unit = budget, period, unit
         self.remaining = from_micros(limit - pending - posted)
         super().__init__(
-            f"budget {budget!r} ({period}, {unit}) has {self.remaining:.4f} left of {from_micros(limit):.2f} "
+            f"budget {budget!r} ({period}, {unit}) has {self.remaining:.4f} left of {from_micros(limit):.4f} "
             f"({from_micros(posted):.4f} posted, {from_micros(pending):.4f} held); this run needs "
             f"{from_micros(wanted):.4f}"
         )
