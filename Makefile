@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-ledger clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
+
+bench-ledger: $(STAMP)
+	$(BIN)/python bench/ledger.py
 
 clean:
 	rm -rf $(VENV) .aisched .pytest_cache
