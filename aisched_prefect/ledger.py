@@ -203,6 +203,8 @@ class Settlement(BaseModel):
     uncovered: float = 0.0
     status: str
     first: bool
+    budget: str | None = None
+    unit: str = "money"
 
 
 class BudgetAlert(BaseModel):
@@ -688,11 +690,11 @@ class Ledger:
                     charged = h["charged_micros"] or 0
                     done[h["id"]] = Settlement(hold_id=h["id"], charged=from_micros(charged),
                                                released=from_micros(h["reserved_micros"] - charged),
-                                               status=h["status"], first=False)
+                                               status=h["status"], first=False, budget=h["budget"], unit=h["unit"])
                 elif actual is None or (isinstance(actual, dict) and h["budget"] not in actual):
                     w.post(w.account(h["budget"], h["period"]), h, 0, "voided")
                     done[h["id"]] = Settlement(hold_id=h["id"], charged=0.0, released=from_micros(h["reserved_micros"]),
-                                               status="voided", first=True)
+                                               status="voided", first=True, budget=h["budget"], unit=h["unit"])
                 else:
                     if h["budget"] not in left:
                         left[h["budget"]] = to_micros(actual if not isinstance(actual, dict) else actual[h["budget"]])
@@ -716,7 +718,8 @@ class Ledger:
                 h = w.holds[i]
                 done[i] = Settlement(hold_id=i, charged=from_micros(h["charged_micros"]),
                                      released=from_micros(max(h["reserved_micros"] - h["charged_micros"], 0)),
-                                     uncovered=from_micros(want - h["charged_micros"]), status="posted", first=True)
+                                     uncovered=from_micros(want - h["charged_micros"]), status="posted", first=True,
+                                     budget=h["budget"], unit=h["unit"])
             out = [done[h["id"]] for h in found]
             if not any(s.first for s in out):
                 return out, None

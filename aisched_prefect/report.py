@@ -19,6 +19,15 @@ def _request_summary(req: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def money_of(items: list[dict[str, Any]], field: str) -> float:
+    """`field` summed over the holds or settlements of the run's first money account (the one a person reads)."""
+    money = [i for i in items if i.get("unit", "money") == "money"]
+    if not money:
+        return 0.0
+    first = money[0].get("budget")
+    return round(sum(i[field] for i in money if i.get("budget") == first), 6)
+
+
 def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
     """One row per task run: request, principal, grant, placement, reserved, charged, decision."""
     rows: dict[str, dict[str, Any]] = {}
@@ -32,9 +41,13 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
         })
         row["records"] = f"{row['records']},{r.seq}".lstrip(",")
         row["grant"] = p.get("grant", row["grant"])
-        if r.kind in ("admission", "approval-requested"):
-            row["reserved"] = round(sum(h["reserved"] for h in p.get("holds", [])[:1]), 6)
+        if r.kind == "approval-requested" or (r.kind == "admission" and not row["reserved"]):
+            row["reserved"] = money_of(p.get("holds", []), "reserved")
             row["decision"] = "admitted" if r.kind == "admission" else "awaiting approval"
+        elif r.kind == "admission":
+            row["decision"] = "admitted"
+        elif r.kind == "top-up":
+            row["reserved"] = round(row["reserved"] + money_of(p.get("holds", []), "reserved"), 6)
         elif r.kind == "denial":
             row["decision"] = f"denied ({p.get('stage')}): {p.get('reason')}"
         elif r.kind == "approval":
@@ -43,9 +56,18 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
             placement = p.get("placement") or {}
             row["worker"] = placement.get("worker")
             row["devices"] = ",".join(str(d) for d in placement.get("devices", [])) or None
-            row["charged"] = round(sum(s["charged"] for s in p.get("settlements", [])[:1]), 6)
+            row["charged"] = money_of(p.get("settlements", []), "charged")
             row["decision"] = p.get("outcome")
     return list(rows.values())
+
+
+def _unit(item: dict[str, Any]) -> str:
+    return "" if item.get("unit", "money") == "money" else f" {item['unit']}"
+
+
+def _held_lines(payload: dict[str, Any]) -> list[str]:
+    return [f"        held {h.get('reserved', 0):.6f}{_unit(h)} on budget {h.get('budget')!r} ({h.get('period')}), "
+            f"{h.get('remaining_after', 0):.6f} left after" for h in payload.get("holds") or []]
 
 
 EVIDENCE_SCHEMA = "aisched.evidence/1"
@@ -76,24 +98,28 @@ def explain(records: list[EvidenceRecord]) -> str:
                 out.append(f"  [{r.seq}] DENIED at {p.get('stage')}: {p.get('reason')}")
                 out.append(f"        fix: {p.get('fix')}")
             elif r.kind in ("admission", "approval-requested"):
-                hold = (p.get("holds") or [{}])[0]
                 verb = "ADMITTED" if r.kind == "admission" else "HELD, waiting for approval"
                 out.append(f"  [{r.seq}] {verb} under grant chain {chain or '?'}; policy rule: "
                            f"{p.get('approval_rule') or 'none (no approval needed)'}")
-                if hold:
-                    out.append(f"        held {hold.get('reserved', 0):.6f} on budget {hold.get('budget')!r} "
-                               f"({hold.get('period')}), {hold.get('remaining_after', 0):.6f} left after")
+                out.extend(_held_lines(p))
+            elif r.kind == "top-up":
+                out.append(f"  [{r.seq}] TOPPED UP by {p['top_up']['seconds']:.1f}s (cover was {p['top_up']['covered_before']:.1f}s)")
+                out.extend(_held_lines(p))
+            elif r.kind == "top-up-refused":
+                out.append(f"  [{r.seq}] TOP-UP REFUSED: {p.get('reason')}")
             elif r.kind == "approval":
                 who = p.get("approver")
                 via = " -> ".join(p.get("approver_chain") or []) or "no approving grant"
                 verdict = "APPROVED" if p.get("approved") else "REJECTED"
                 out.append(f"  [{r.seq}] {verdict} by {who} via {p.get('channel')} ({via}): {p.get('reason') or ''}")
             elif r.kind == "settlement":
-                s = (p.get("settlements") or [{}])[0]
                 place = p.get("placement") or {}
                 where = f" on {place.get('worker')} devices {place.get('devices')}" if place else ""
-                out.append(f"  [{r.seq}] SETTLED {p.get('outcome')}{where}: charged {s.get('charged', 0):.6f}, "
-                           f"released {s.get('released', 0):.6f}" + (f"; error: {p['error']}" if p.get("error") else ""))
+                out.append(f"  [{r.seq}] SETTLED {p.get('outcome')}{where}" + (f"; error: {p['error']}" if p.get("error") else ""))
+                for s in p.get("settlements") or []:
+                    out.append(f"        {s.get('status')} {s.get('charged', 0):.6f}{_unit(s)} on {s.get('budget')!r}, "
+                               f"released {s.get('released', 0):.6f}"
+                               + (f", uncovered {s['uncovered']:.6f}" if s.get("uncovered") else ""))
             else:
                 out.append(f"  [{r.seq}] {r.kind}: {p}")
     return "\n".join(out)

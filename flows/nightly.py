@@ -27,7 +27,7 @@ from aisched_prefect import (
     run_subprocess,
     task_logger,
 )
-from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, Grant
+from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, BudgetLimit, Grant
 
 DECLARED = os.environ.get("DASK_GPU_DECLARED", "2 workers x 2 GPUs, 80 GB, H100")
 
@@ -90,7 +90,12 @@ def save_demo_blocks() -> None:
         Grant(id="team-a-root", principal="team-a/*", kinds=["training", "inference"],
               gpu_types=["H100"], max_gpus=4, max_cost_per_run=5.0),
     ]).save("team-a", overwrite=True)
-    BudgetBlock(limit=100.0, period="monthly", gpu_hour_prices={"H100": 4.0}).save("team-a", overwrite=True)
+    BudgetBlock(limit=100.0, period="monthly", gpu_hour_prices={"H100": 4.0}, limits=[
+        BudgetLimit(name="team-a", scope="tenant", match="team-a", amount=50.0),
+        BudgetLimit(name="nightly", scope="flow", match="nightly-*", amount=20.0, parent="team-a"),
+        BudgetLimit(name="h100-hours", unit="gpu-hours", scope="gpu-type", match="H100", amount=10.0,
+                    period="weekly", window="rolling"),
+    ]).save("team-a", overwrite=True)
     ApprovalPolicyBlock(rules=[
         ApprovalRule(name="multi-gpu-training", kinds=["training"], min_gpus=2, action="approve"),
         ApprovalRule(name="expensive", min_cost=2.0, action="ask"),
@@ -111,8 +116,9 @@ def print_evidence(flow_run_id: str) -> None:
     report = ledger.verify()
     console.print(f"evidence chain: {'intact' if report.ok else 'BROKEN'} ({report.records} records) in {ledger.url}")
     for account in ledger.accounts():
+        unit = "USD" if account["unit"] == "money" else account["unit"]
         console.print(f"budget {account['budget']} {account['period']}: posted {account['posted']:.4f} of "
-                      f"{account['limit']:.2f} USD, remaining {account['remaining']:.4f}")
+                      f"{account['limit']:.2f} {unit}, remaining {account['remaining']:.4f}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from aisched_prefect import AdmissionDenied, InvalidUsage, Ledger, NoAdmissionContext, ai_task, report_usage
+from aisched_prefect import AdmissionDenied, InvalidUsage, Ledger, NoAdmissionContext, ai_task, evidence_rows, report_usage
+from aisched_prefect.report import explain
 from blocks import BudgetBlock, BudgetLimit
 from dask_gpu import checkpoint
 from tests.helpers import runner
@@ -77,6 +78,9 @@ def test_a_task_running_past_its_estimate_is_topped_up(gpu_cluster, sqlite_url):
     s = settlement(ledger)
     assert s["outcome"] == "completed" and s["covered_seconds"] >= s["seconds"] >= 2.5
     assert sum(x["charged"] for x in s["settlements"]) == pytest.approx(s["seconds"] / 3600 * 4.0, rel=1e-3)
+    (row,) = evidence_rows(ledger.records())
+    assert row["reserved"] == pytest.approx((1 + 0.5 * kinds.count("top-up")) / 3600 * 4.0, abs=1e-5)  # each hold rounds to micro-units
+    assert "TOPPED UP by 0.5s" in explain(ledger.records())
 
 
 def test_a_refused_top_up_stops_the_task_at_its_cover_and_charges_what_ran(gpu_cluster, sqlite_url):
@@ -97,6 +101,7 @@ def test_a_refused_top_up_stops_the_task_at_its_cover_and_charges_what_ran(gpu_c
     with pytest.raises(AdmissionDenied, match=r"denied at budget: the task ran .*a top-up was refused"):
         train()
     ledger = Ledger(sqlite_url)
+    assert "TOP-UP REFUSED: budget:" in explain(ledger.records())
     refused = [r for r in ledger.records() if r.kind == "top-up-refused"]
     assert len(refused) == 1 and f"budget '{name}'" in refused[0].payload["reason"]
     s = settlement(ledger)
