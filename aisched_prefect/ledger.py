@@ -306,6 +306,7 @@ class _Statements:
         self.expired = _Sql(lock(sa.select(holds.c.id).where(
             (holds.c.budget == b("k_budget")) & (holds.c.period == b("k_period")) & (holds.c.status == "pending")
             & (holds.c.lease_until < b("k_now")))), dialect)
+        self.revoked = _Sql(sa.select(revocations.c.grant_id), dialect)
         ev_cols = [c.name for c in evidence.columns]
         self.ev_cols = ev_cols
         self.evidence_insert = _Sql(evidence.insert().values({c: b(f"v_{c}") for c in ev_cols}), dialect)
@@ -807,8 +808,17 @@ class Ledger:
             return {row.id: Grant.model_validate(row.body) for row in conn.execute(sa.select(grants.c.id, grants.c.body))}
 
     def revoked_ids(self) -> set[str]:
-        with self.reader.connect() as conn:
-            return set(conn.execute(sa.select(revocations.c.grant_id)).scalars())
+        """Every revoked grant id. Read at each admission, so on the raw cursor: one statement, no ORM-side work."""
+        conn = self.reader.raw_connection()
+        try:
+            cur = conn.cursor()
+            cur.execute(self._sql.revoked.sql)
+            ids = {row[0] for row in cur.fetchall()}
+            cur.close()
+            conn.commit()  # end the read (a snapshot on Postgres) before the connection goes back to the pool
+            return ids
+        finally:
+            conn.close()
 
     def account(self, budget: str, period: str) -> dict[str, Any] | None:
         rows = [a for a in self.accounts() if a["budget"] == budget and a["period"] == period]

@@ -39,7 +39,7 @@ from aisched_prefect.report import evidence_rows
 from aisched_prefect.request import AIRequest
 from aisched_prefect.tickets import AdmissionTicket, TicketSigner
 from aisched_prefect.usage import ReportedUsage
-from aisched_prefect.worker import STARTED_TOPIC, WorkerOutcome, run_admitted
+from aisched_prefect.worker import WorkerOutcome, run_admitted
 from blocks import (
     ApprovalPolicyBlock,
     AuthorityBlock,
@@ -61,6 +61,7 @@ from dask_gpu import (
     cluster_inventories,
     eligible_workers,
     request_stop,
+    running_for,
     worker_restriction,
 )
 
@@ -99,8 +100,9 @@ class _Running:
     ids: dict[str, Any]
     holds: list[Hold]
     covered_seconds: float  # runtime its holds pay for; grows with each top-up
+    submitted: float  # monotonic
     extra_cost: float = 0.0  # money held by top-ups
-    started_at: float | None = None  # monotonic, when the worker reported it holds its devices
+    started_at: float | None = None  # monotonic, when its worker gave it devices (asked only once it matters)
     top_up_refused: str | None = None
     stop_reason: str | None = None
     asked: set[float] = field(default_factory=set)
@@ -158,17 +160,9 @@ class RunnerSession:
         self._running: dict[str, _Running] = {}
         self._live_holds: set[str] = set()
         self._running_lock = threading.Lock()
-        self.client.subscribe_topic(STARTED_TOPIC, self._on_started)
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="aisched-watch", daemon=True)
         self._watcher.start()
-
-    def _on_started(self, event: tuple[float, Any]) -> None:
-        key = event[1].get("key") if isinstance(event[1], dict) else None
-        with self._running_lock:
-            run = self._running.get(key)
-            if run is not None and run.started_at is None:
-                run.started_at = time.monotonic()
 
     def _alert(self, alert: BudgetAlert) -> None:
         """A budget crossed 50/80/100%: a log line, and a Prefect event automations can act on."""
@@ -225,8 +219,18 @@ class RunnerSession:
             logger.warning("grant revoked: stopping %d running AI task(s)", len(victims))
 
     def _enforce_cover(self, running: dict[str, _Running]) -> None:
-        """Top up GPU tasks nearing the end of their cover; stop those refused once they reach it."""
+        """Top up GPU tasks nearing the end of their cover; stop those refused once they reach it.
+
+        A task cannot have run longer than it was submitted, so its start is
+        asked from the workers only once it was submitted long enough ago to
+        near its cover: short tasks cost no round trip at all.
+        """
         now = time.monotonic()
+        unknown = [k for k, r in running.items() if r.started_at is None and r.stop_reason is None and r.request.gpus
+                   and now - r.submitted >= TOP_UP_AT * r.covered_seconds]
+        if unknown:
+            for key, seconds in running_for(self.client, unknown).items():
+                running[key].started_at = now - seconds
         for key, r in running.items():
             if r.started_at is None or r.stop_reason is not None or not r.request.gpus:
                 continue
@@ -521,7 +525,7 @@ class RunnerSession:
         submitted = time.monotonic()
         key = f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}"
         state = _Running(request=request, admission=admission, payload=payload, ids=ids,
-                         holds=list(admission.holds), covered_seconds=request.est_seconds)
+                         holds=list(admission.holds), covered_seconds=request.est_seconds, submitted=submitted)
         with self._running_lock:
             self._running[key] = state
         future: Future = self.client.submit(

@@ -33,7 +33,6 @@ class WorkerOutcome(BaseModel):
 
 
 TASK_LOGGER = "aisched.task"
-STARTED_TOPIC = "aisched-started"  # worker -> flow process: this task holds its devices and starts now
 
 
 def task_logger() -> logging.Logger:
@@ -74,8 +73,6 @@ def run_admitted(ticket: AdmissionTicket | None, request: AIRequest, fn: Callabl
     reports, token = open_tally()
     try:
         with hold_devices(request.gpu_request()) as lease:
-            # The flow process starts the clock of the run's budget cover here, not at submit.
-            worker.log_event(STARTED_TOPIC, {"key": str(worker.get_current_task())})
             try:
                 value, ok, error, text = fn(*args, **kwargs), True, None, ""
             except Exception as exc:  # returned, not raised: settlement needs `lease.run()` too

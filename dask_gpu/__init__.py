@@ -1,6 +1,6 @@
 """GPU-aware Dask: inventories, GPU workers, device assignment. No Prefect needed."""
 
-from dask_gpu.cluster import LocalGPUCluster, cluster_inventories, cluster_states, request_stop
+from dask_gpu.cluster import LocalGPUCluster, cluster_inventories, cluster_states, request_stop, running_for
 from dask_gpu.errors import (
     DaskGPUError,
     DeviceUnavailable,
@@ -59,6 +59,7 @@ __all__ = [
     "parse_declared",
     "run_subprocess",
     "request_stop",
+    "running_for",
     "run_with_devices",
     "stop_requested",
     "submit",

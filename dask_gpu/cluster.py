@@ -102,6 +102,24 @@ def _stop_keys(keys: list[str], dask_worker: Any) -> None:
             plugin.request_stop(key)
 
 
+def _running_for(keys: list[str], dask_worker: Any) -> dict[str, float]:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return plugin.running_for(keys) if isinstance(plugin, GPUWorkerPlugin) else {}
+
+
+def running_for(client: Client, keys: list[str]) -> dict[str, float]:
+    """Seconds each task of `keys` has run since its worker gave it devices; absent: not started.
+
+    One round trip to every worker, asked only about tasks whose start matters
+    (say, one that may be nearing the runtime its budget covers), so running
+    tasks cost the scheduler no messages of their own.
+    """
+    out: dict[str, float] = {}
+    for found in client.run(_running_for, list(keys)).values():
+        out.update(found)
+    return out
+
+
 def request_stop(client: Client, keys: list[str]) -> None:
     """Ask the tasks `keys` to stop, wherever they run or will run (one round trip to every worker).
 

@@ -173,6 +173,8 @@ def hold_devices(request: GPURequest) -> Iterator[DeviceLease]:
     if request.gpus and plugin is not None:
         devices = plugin.allocator.acquire(key, request, timeout=DEVICE_WAIT_SECONDS)
     lease = DeviceLease(address, plugin, devices)
+    if plugin is not None:
+        plugin.mark_started(key)
     token, stop_token = _current_devices.set(devices), _current_stop.set(stop)
     try:
         yield lease
