@@ -99,7 +99,7 @@ def timed(make_flow, n: int, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--gpus-per-worker", default="4 GPUs, 80 GB, H100")
     args = parser.parse_args()
