@@ -722,7 +722,7 @@ class Ledger:
                                      uncovered=from_micros(want - h["charged_micros"]), status="posted", first=True,
                                      budget=h["budget"], unit=h["unit"])
             out = [done[h["id"]] for h in found]
-            if not any(s.first for s in out):
+            if out and not any(s.first for s in out):  # settled before: nothing changes, nothing is recorded
                 return out, None
             return out, w.append(kind, {**payload, "settlements": [s.model_dump() for s in out]}, ids)
 

@@ -222,3 +222,18 @@ victim()
     (after,) = ledger.history()
     assert after["status"] == "expired" and after["charged"] == after["reserved"]  # outcome unknown: charged in full
     assert ledger.verify().ok
+
+
+def test_a_budget_with_prices_only_admits_and_settles_with_evidence(gpu_cluster, sqlite_url):
+    @ai_task(gpus=1, kind="inference", est_seconds=5)
+    def infer():
+        return "ok"
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, budget=BudgetBlock(gpu_hour_prices={"*": 1.0})))
+    def unlimited():
+        return infer()
+
+    assert unlimited() == "ok"
+    ledger = Ledger(sqlite_url)
+    assert [r.kind for r in ledger.records()] == ["admission", "settlement"] and ledger.accounts() == []
+    assert settlement(ledger)["outcome"] == "completed"

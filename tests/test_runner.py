@@ -222,6 +222,10 @@ def test_runner_configuration_errors_name_the_field():
         AISchedTaskRunner(principal="team-a/*", authority="a", budget="b")
     with pytest.raises(ConfigurationError, match="approver"):
         AISchedTaskRunner(principal="p", authority="a", budget="b", approver="slack")
+    with pytest.raises(ConfigurationError, match="top_up_fraction: Input should be greater than 0"):
+        AISchedTaskRunner(principal="p", authority="a", budget="b", top_up_fraction=0)
+    with pytest.raises(ConfigurationError, match="hold_lease_seconds: Input should be greater than or equal to 1"):
+        AISchedTaskRunner(principal="p", authority="a", budget="b", hold_lease_seconds=0.1)
 
 
 def test_blocks_are_loaded_by_name(gpu_cluster, sqlite_url):
