@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from datetime import datetime
 from typing import Optional
 
@@ -20,7 +21,7 @@ app.add_typer(evidence_app, name="evidence")
 app.add_typer(budget_app, name="budget")
 grants_app = typer.Typer(help="Delegate, revoke and list grants.", no_args_is_help=True)
 app.add_typer(grants_app, name="grants")
-console = Console(soft_wrap=True)
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # piped output: no 80-column squeeze
 
 LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL (default: AISCHED_LEDGER_URL or ~/.aisched/ledger.db).")
 
@@ -28,7 +29,7 @@ LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL (default: AISCHED_LE
 def _table(title: str, rows: list[dict], columns: list[str]) -> Table:
     table = Table(title=title)
     for c in columns:
-        table.add_column(c)
+        table.add_column(c, overflow="fold")  # a narrow terminal wraps values, never cuts them
     for r in rows:
         table.add_row(*("" if r.get(c) is None else str(r.get(c)) for c in columns))
     return table
@@ -165,7 +166,7 @@ def budget_history(
             typer.echo(json.dumps(r, sort_keys=True))
         return
     for r in rows:
-        r["created"] = datetime.fromtimestamp(r["created_at"]).isoformat(timespec="seconds")
+        r["created"] = datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M:%S")
     console.print(_table("holds and charges", rows, ["created", "budget", "period", "unit", "status", "reserved",
                                                       "charged", "task_run_id", "principal"]))
 
