@@ -1,17 +1,62 @@
-"""Approval hooks: who decides when the policy says a person must approve.
+"""Approval hooks: who decides when the policy says a person must approve, and how they prove it.
 
 Two implementations: `PolicyApprover` decides at once (no person; "ask"
 resolves to its `on_ask` action, deny unless told otherwise) and
 `PrefectPauseApprover` pauses the flow run with a typed form that the Prefect
 UI renders, resumed through the Prefect API. Silence past the timeout denies.
+
+Prefect's open-source server has no user identity: anyone with API access can
+resume a run and type any name. What an approver *can* prove is possession of
+a private key: `aisched approve` signs the answer (Ed25519) over the approval's
+digest, which hashes exactly what was shown (task run, task, parameters,
+request, cost estimate, rule). A signature therefore cannot be forged by the
+requester and cannot be replayed onto another or a changed request.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from prefect.input import RunInput
 from pydantic import BaseModel, ConfigDict, Field
+
+
+def approval_digest(*, task_run_id: str, task_name: str, parameters: str | None, request: dict[str, Any],
+                    est_cost: float, currency: str, rule: str | None) -> str:
+    """The hash an approval is bound to: what the approver was shown, exactly."""
+    body = {"task_run_id": task_run_id, "task": task_name, "parameters": parameters, "request": request,
+            "est_cost": round(est_cost, 6), "currency": currency, "rule": rule}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def _signed_body(digest: str, approve: bool, approver: str, reason: str, signed_at: float) -> bytes:
+    body = {"digest": digest, "approve": approve, "approver": approver, "reason": reason, "signed_at": repr(float(signed_at))}
+    return b"aisched-approval/1\n" + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def public_key_hex(key: Ed25519PrivateKey) -> str:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+
+def sign_approval(key: Ed25519PrivateKey, digest: str, approve: bool, approver: str, reason: str,
+                  signed_at: float) -> str:
+    """The signature `aisched approve` attaches to an answer."""
+    return key.sign(_signed_body(digest, approve, approver, reason, signed_at)).hex()
+
+
+def signature_valid(public_hex: str, digest: str, decision: ApprovalDecision) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex)).verify(
+            bytes.fromhex(decision.signature),
+            _signed_body(digest, decision.approved, decision.approver, decision.reason, decision.signed_at))
+        return True
+    except (InvalidSignature, ValueError):
+        return False
 
 
 class ApprovalRequest(BaseModel):
@@ -24,29 +69,40 @@ class ApprovalRequest(BaseModel):
     task_name: str
     principal: str
     grant_id: str
+    chain: list[str] = []
     request: dict[str, Any]
     est_cost: float
     currency: str
     remaining_budget: float | None  # least money left on any covering budget after the hold; None: no money limit
     rule: str | None
     timeout_seconds: int
+    digest: str = ""
+    approvals_required: int = 1
+    approved_by: list[str] = []  # approvers counted so far (k of n)
+    round: int = 0  # how many answers came before this one (each answer is its own pause)
+    require_signature: bool = False
 
     def describe(self) -> str:
         req = ", ".join(f"{k}={v}" for k, v in self.request.items() if v not in (None, 0, 0.0))
+        quorum = (f"- approvals needed: {self.approvals_required} different approvers; so far: "
+                  f"{', '.join(self.approved_by) or 'none'}\n") if self.approvals_required > 1 else ""
         return (
             f"**Approve AI task `{self.task_name}`?**\n\n"
-            f"- principal: `{self.principal}` (grant `{self.grant_id}`)\n"
+            f"- principal: `{self.principal}`, grant chain `{' -> '.join(self.chain or [self.grant_id])}`\n"
             f"- request: {req}\n"
             f"- estimated cost: {self.est_cost:.4f} {self.currency} "
             + (f"(budget left after hold: {self.remaining_budget:.4f})" if self.remaining_budget is not None else "(no money limit)")
             + "\n"
             f"- asked by rule: `{self.rule}`\n"
-            f"- no answer within {self.timeout_seconds}s denies the run"
+            + quorum +
+            f"- no answer within {self.timeout_seconds}s denies the run\n"
+            f"- approval digest: `{self.digest}` (sign it with `aisched approve {self.task_run_id} --as NAME --key KEY`)"
+            + ("; this rule counts only signed approvals" if self.require_signature else "")
         )
 
 
 class ApprovalDecision(BaseModel):
-    """A decision and who made it."""
+    """A decision, who made it, and their signature if they signed it."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -54,6 +110,8 @@ class ApprovalDecision(BaseModel):
     approver: str
     reason: str = ""
     channel: str
+    signature: str = ""
+    signed_at: float = 0.0
 
 
 @runtime_checkable
@@ -67,6 +125,8 @@ class ApprovalInput(RunInput):
     approve: bool = Field(description="Tick to approve the run, leave unticked to reject it.")
     approver: str = Field(description="Who is deciding (must not be the requesting principal).")
     reason: str = Field(default="", description="Why.")
+    signature: str = Field(default="", description="Leave empty in the UI; `aisched approve` fills it to prove who decided.")
+    signed_at: float = Field(default=0.0, description="Set by `aisched approve` with the signature.")
 
 
 class PolicyApprover(BaseModel):
@@ -82,8 +142,12 @@ class PolicyApprover(BaseModel):
         )
 
 
+def pause_key(task_run_id: str, round_: int) -> str:
+    return f"aisched-approval-{task_run_id}-{round_}"
+
+
 class PrefectPauseApprover(BaseModel):
-    """Pause the flow run for a typed approval form; resume comes from the UI or the API."""
+    """Pause the flow run for a typed approval form; resume comes from the UI, the API or `aisched approve`."""
 
     poll_interval: int = Field(default=2, ge=1)
 
@@ -98,17 +162,13 @@ class PrefectPauseApprover(BaseModel):
                 ),
                 timeout=request.timeout_seconds,
                 poll_interval=self.poll_interval,
-                key=f"aisched-approval-{request.task_run_id}",
+                key=pause_key(request.task_run_id, request.round),
             )
         except FlowPauseTimeout:
             return ApprovalDecision(
                 approved=False, approver="timeout", channel="prefect-pause",
                 reason=f"no decision within {request.timeout_seconds}s: silence denies",
             )
-        if answer.approver.strip() == "" or answer.approver == request.principal:
-            return ApprovalDecision(
-                approved=False, approver=answer.approver or "(anonymous)", channel="prefect-pause",
-                reason="the requester cannot approve its own run, and an approver must give a name",
-            )
-        return ApprovalDecision(approved=answer.approve, approver=answer.approver,
-                                reason=answer.reason, channel="prefect-pause")
+        return ApprovalDecision(approved=answer.approve, approver=answer.approver.strip(), reason=answer.reason,
+                                channel="signed" if answer.signature else "prefect-pause",
+                                signature=answer.signature, signed_at=answer.signed_at)

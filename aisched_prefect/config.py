@@ -28,6 +28,14 @@ class RunnerConfig(BaseModel):
     ticket_ttl_seconds: float = Field(default=24 * 3600, gt=0)
     hold_lease_seconds: float = Field(default=300.0, ge=1)
     top_up_fraction: float = Field(default=0.5, gt=0, le=10)
+    approval_hook: Any = None  # a callable(ApprovalRequest), or a URL that gets each request as JSON
+
+    @field_validator("approval_hook")
+    @classmethod
+    def _hook_kind(cls, v: Any) -> Any:
+        if v is None or callable(v) or (isinstance(v, str) and v.startswith(("http://", "https://"))):
+            return v
+        raise ValueError("approval_hook must be a callable taking an ApprovalRequest, or an http(s) URL")
 
     @field_validator("principal")
     @classmethod

@@ -40,6 +40,8 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
             process dies, its holds expire this long after the last renewal (charged in full).
         top_up_fraction: a GPU task nearing the runtime its hold covers asks for this share of
             est_seconds more; if refused, it is stopped when the cover runs out.
+        approval_hook: called with each ApprovalRequest when a person is asked (a callable), or
+            sent it as JSON (an http(s) URL): for teams that approve from chat.
     """
 
     def __init__(
@@ -58,13 +60,14 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         tenant: str | None = None,
         hold_lease_seconds: float = 300.0,
         top_up_fraction: float = 0.5,
+        approval_hook: Any = None,
     ) -> None:
         try:
             self._config = RunnerConfig(
                 principal=principal, authority=authority, budget=budget, grant=grant, approval_policy=approval_policy,
                 approver=approver, address=address, declared=declared, ledger_url=ledger_url,
                 max_workers=max_workers, ticket_ttl_seconds=ticket_ttl_seconds, tenant=tenant,
-                hold_lease_seconds=hold_lease_seconds, top_up_fraction=top_up_fraction,
+                hold_lease_seconds=hold_lease_seconds, top_up_fraction=top_up_fraction, approval_hook=approval_hook,
             )
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())

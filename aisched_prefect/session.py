@@ -30,7 +30,15 @@ from uuid import UUID
 from distributed import Client, Future, KilledWorker
 from pydantic import BaseModel, ConfigDict
 
-from aisched_prefect.approvals import ApprovalRequest, Approver, PolicyApprover, PrefectPauseApprover
+from aisched_prefect.approvals import (
+    ApprovalDecision,
+    ApprovalRequest,
+    Approver,
+    PolicyApprover,
+    PrefectPauseApprover,
+    approval_digest,
+    signature_valid,
+)
 from aisched_prefect.config import RunnerConfig
 from aisched_prefect.errors import AdmissionDenied, TicketRejected
 from aisched_prefect.evidence import EvidenceRecord
@@ -73,6 +81,8 @@ REVOCATION_POLL_SECONDS = 0.5
 BLOCK_TTL_SECONDS = 5.0
 TOP_UP_AT = 0.8  # ask for a top-up when a GPU task has used this share of the time its holds cover
 ALERT_EVENT = "aisched.budget.threshold-crossed"
+APPROVAL_REQUESTED_EVENT = "aisched.approval.requested"
+APPROVAL_DECIDED_EVENT = "aisched.approval.decided"
 
 
 class Admission(BaseModel):
@@ -368,10 +378,11 @@ class RunnerSession:
             "task": task_name, "request": request.model_dump(), "authority": self.authority_name,
             "budget": self.budget_name, "policy": self.config.approval_policy if isinstance(self.config.approval_policy, str) else None,
         }
-        admission = self._admit(request, payload, ids, flow_name)
+        admission = self._admit(request, payload, ids, flow_name, (args, kwargs))
         return self._execute(fn, request, args, kwargs, admission, payload, ids, task_name)
 
-    def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any], flow_name: str | None = None) -> Admission:
+    def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any], flow_name: str | None = None,
+               call: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})) -> Admission:
         """Feasibility, pricing, authority, policy, budget hold, then a person if the policy asks."""
         gpu_request = request.gpu_request()
         try:
@@ -406,6 +417,14 @@ class RunnerSession:
             raise self._deny("approval", f"approval policy rule {outcome.rule!r} denies this run",
                              "change the request or the rule in the ApprovalPolicyBlock", payload, ids)
         asking = outcome is not None and outcome.action == "ask"
+        if asking:
+            assert outcome is not None
+            from prefect.utilities.hashing import hash_objects
+
+            payload["approval_digest"] = approval_digest(
+                task_run_id=ids["task_run_id"], task_name=payload["task"], parameters=hash_objects(*call),
+                request=payload["request"], est_cost=estimate.amount, currency=self.budget.currency, rule=outcome.rule)
+            payload["approvals_required"] = outcome.approvals_required
         usage = Usage(money=estimate.amount, gpu_hours=request.gpus * request.est_seconds / 3600, tokens=request.est_tokens)
         lines = self.budget.lines(self.budget_name, facts, usage)
         try:
@@ -422,10 +441,11 @@ class RunnerSession:
             assert outcome is not None
             record = self._ask_person(ApprovalRequest(
                 flow_run_id=ids["flow_run_id"], task_run_id=ids["task_run_id"], task_name=payload["task"],
-                principal=self.config.principal, grant_id=grant_id, request=payload["request"],
+                principal=self.config.principal, grant_id=grant_id, chain=payload["chain"], request=payload["request"],
                 est_cost=estimate.amount, currency=self.budget.currency,
                 remaining_budget=min((h.remaining_after for h in held if h.unit == "money"), default=None), rule=outcome.rule,
-                timeout_seconds=outcome.timeout_seconds,
+                timeout_seconds=outcome.timeout_seconds, digest=payload["approval_digest"],
+                approvals_required=outcome.approvals_required, require_signature=outcome.require_signature,
             ), held, payload, ids, facts)
         ticket = self.signer.issue(
             admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
@@ -450,40 +470,116 @@ class RunnerSession:
                 return chain
         return None
 
+    def _check_vote(self, verdict: ApprovalDecision, ask: ApprovalRequest, facts: RunFacts) -> tuple[ApprovalDecision, dict[str, Any]]:
+        """Whether one answer counts; an answer that does not is a rejection that says why.
+
+        It counts only from a named person other than the requester, who holds
+        (through a valid chain) a grant with the right to approve this run, and,
+        when that person has a key in the AuthorityBlock or the rule asks for
+        signatures, whose signature covers exactly this request's digest.
+        """
+        if verdict.channel == "policy" or verdict.approver == "timeout":
+            return verdict, {}
+        said = f"their answer was {'approve' if verdict.approved else 'reject'}: {verdict.reason}"
+
+        def refuse(why: str) -> tuple[ApprovalDecision, dict[str, Any]]:
+            return verdict.model_copy(update={"approved": False, "reason": f"{why} ({said})"}), {"verified": False}
+
+        if not verdict.approver or verdict.approver == ask.principal:
+            return refuse("the requester cannot approve its own run, and an approver must give a name")
+        approving = self._approver_grant(verdict.approver, facts)
+        if approving is None:
+            return refuse(f"{verdict.approver!r} holds no grant with the right to approve this run")
+        key = self.authority.approver_keys.get(verdict.approver)
+        extra: dict[str, Any] = {"approver_chain": [g.id for g in approving], "verified": False}
+        if key is not None or verdict.signature:
+            if key is None:
+                return refuse(f"{verdict.approver!r} signed, but has no key in the AuthorityBlock's approver_keys")
+            if not verdict.signature:
+                return refuse(f"an unsigned answer in the name of {verdict.approver!r}, who has a key: "
+                              f"use `aisched approve {ask.task_run_id} --as {verdict.approver} --key KEY`")
+            if not signature_valid(key, ask.digest, verdict):
+                return refuse(f"the signature of {verdict.approver!r} does not match this request (digest "
+                              f"{ask.digest[:12]}...): it was made for another request, or this one changed")
+            extra["verified"] = True
+        elif ask.require_signature:
+            return refuse(f"rule {ask.rule!r} counts only signed approvals, and {verdict.approver!r} has no key "
+                          "in the AuthorityBlock's approver_keys")
+        return verdict, extra
+
+    def _announce(self, event: str, ask: ApprovalRequest, payload: dict[str, Any]) -> None:
+        """A Prefect event for every approval request and decision, so automations can notify people."""
+        try:
+            from prefect.events import emit_event
+
+            emit_event(event=event, resource={
+                "prefect.resource.id": f"aisched.approval.{ask.task_run_id}", "prefect.resource.name": ask.task_name,
+                "aisched.principal": ask.principal, "aisched.rule": str(ask.rule)}, payload=payload)
+        except Exception:
+            logger.exception("could not emit %s", event)
+        hook = self.config.approval_hook
+        if hook is not None and event == APPROVAL_REQUESTED_EVENT:
+            try:
+                if isinstance(hook, str):
+                    import httpx
+
+                    httpx.post(hook, json={"event": event, **ask.model_dump(mode="json")}, timeout=10)
+                else:
+                    hook(ask)
+            except Exception:  # a chat hook that fails must not decide the run
+                logger.exception("approval hook failed")
+
     def _ask_person(self, ask: ApprovalRequest, held: list[Hold], payload: dict[str, Any],
                     ids: dict[str, Any], facts: RunFacts) -> EvidenceRecord:
-        """Wait for the approver; a rejection or an abort voids the hold. Returns the admission record.
+        """Collect approvals until the rule's quorum; any counted rejection, or silence, denies.
 
-        A person's decision counts only if they hold, through a valid chain, a
-        grant with the right to approve that covers this run; the requester
-        never approves its own run.
+        Each answer is its own pause (and record). An answer that does not count
+        (see `_check_vote`) is recorded as a rejection: an attempt to approve
+        without the right ends the request. A second answer from someone already
+        counted is recorded and ignored. Returns the admission record.
         """
-        try:
-            verdict = self.approver.decide(ask)
-        except BaseException:
-            self._settle(held, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, ids=ids)
-            raise
-        if verdict.channel != "policy":
-            approving = self._approver_grant(verdict.approver, facts)
-            if approving is None:
-                verdict = verdict.model_copy(update={
-                    "approved": False,
-                    "reason": f"{verdict.approver!r} holds no grant with the right to approve this run "
-                              f"(their answer was {'approve' if verdict.approved else 'reject'}: {verdict.reason})"})
-            else:
-                payload = {**payload, "approver_chain": [g.id for g in approving]}
-        if not verdict.approved:
-            self._settle(held, None, kind="approval",
-                         payload={**payload, **verdict.model_dump(), "outcome": "rejected"}, ids=ids)
-            raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
-                                  "ask an approver again, or change the request")
-        self.ledger.record("approval", {**payload, **verdict.model_dump()}, **ids)
+        deadline = time.monotonic() + ask.timeout_seconds
+        approved: dict[str, dict[str, Any]] = {}
+        self._announce(APPROVAL_REQUESTED_EVENT, ask, {"digest": ask.digest, "est_cost": ask.est_cost,
+                                                       "approvals_required": ask.approvals_required})
+        answers = 0
+        while len(approved) < ask.approvals_required:
+            remaining = int(deadline - time.monotonic())
+            current = ask.model_copy(update={"approved_by": list(approved), "round": answers,
+                                             "timeout_seconds": max(remaining, 1)})
+            try:
+                verdict = self.approver.decide(current) if remaining > 0 else ApprovalDecision(
+                    approved=False, approver="timeout", channel="timeout",
+                    reason=f"no decision within {ask.timeout_seconds}s: silence denies")
+            except BaseException:
+                self._settle(held, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, ids=ids)
+                raise
+            answers += 1
+            verdict, extra = self._check_vote(verdict, current, facts)
+            vote = {**payload, **verdict.model_dump(exclude={"signature"}), **extra}
+            self._announce(APPROVAL_DECIDED_EVENT, current, {"approver": verdict.approver, "approved": verdict.approved,
+                                                             "reason": verdict.reason, **extra})
+            if not verdict.approved:
+                self._settle(held, None, kind="approval", payload={**vote, "outcome": "rejected"}, ids=ids)
+                raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
+                                      "ask an approver again, or change the request")
+            if verdict.approver in approved:
+                self.ledger.record("approval-vote", {**vote, "counted": False,
+                                                     "reason": f"{verdict.approver} already approved"}, **ids)
+                continue
+            approved[verdict.approver] = extra
+            if len(approved) < ask.approvals_required:
+                self.ledger.record("approval-vote", {**vote, "counted": True,
+                                                     "approved_by": list(approved)}, **ids)
+        last = {**payload, **verdict.model_dump(exclude={"signature"}), **approved[verdict.approver],
+                "approved_by": list(approved), "approver_chains": {a: e.get("approver_chain") for a, e in approved.items()}}
+        self.ledger.record("approval", last, **ids)
         chain, refusal = self._authorize(facts)  # a revocation while the run waited denies it too
         if chain is None:
             self._settle(held, None, kind="settlement",
                          payload={**payload, "outcome": "revoked-while-waiting"}, ids=ids)
             raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
-        return self.ledger.record("admission", {**payload, "approval": verdict.approver,
+        return self.ledger.record("admission", {**payload, "approval": ", ".join(approved),
                                                 "holds": [h.model_dump() for h in held]}, **ids)
 
     # -- execution and settlement ---------------------------------------------------

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
+from datetime import datetime, timezone
 from typing import ClassVar, Literal
 
 from prefect.blocks.core import Block
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from blocks.facts import RunFacts
 
 Action = Literal["ask", "approve", "deny"]
+_HOURS = re.compile(r"^([01]?\d|2[0-3])-([01]?\d|2[0-4])$")
 
 
 class ApprovalRule(BaseModel):
@@ -25,8 +28,28 @@ class ApprovalRule(BaseModel):
     gpu_types: list[str] | None = Field(default=None, description="Matches runs on these GPU types.")
     models: list[str] | None = Field(default=None, description="Matches runs of these models.")
     principals: list[str] | None = Field(default=None, description="Matches runs of these principals.")
+    hours_utc: str | None = Field(default=None, description="Matches runs asked for between these UTC hours, e.g. '18-8' (6 pm to 8 am).")
+    approvals_required: int = Field(default=1, ge=1, le=10, description="'ask': how many different approvers must approve (k of n).")
+    timeout_seconds: int | None = Field(default=None, gt=0, description="'ask': how long to wait; silence past it denies. Empty: the policy's.")
+    require_signature: bool = Field(default=False, description="'ask': count only approvals signed with the approver's key (aisched approve).")
 
-    def matches(self, facts: RunFacts) -> bool:
+    @field_validator("hours_utc")
+    @classmethod
+    def _hours_shape(cls, v: str | None) -> str | None:
+        if v is not None and not _HOURS.match(v.strip()):
+            raise ValueError(f"hours_utc={v!r}: write 'FROM-TO' in whole UTC hours, e.g. '18-8' or '0-24'")
+        return v
+
+    def in_hours(self, now: datetime | None = None) -> bool:
+        if self.hours_utc is None:
+            return True
+        start, end = (int(x) for x in self.hours_utc.split("-"))
+        hour = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).hour
+        return start <= hour < end if start <= end else hour >= start or hour < end
+
+    def matches(self, facts: RunFacts, now: datetime | None = None) -> bool:
+        if not self.in_hours(now):
+            return False
         if self.min_cost is not None and (facts.est_cost or 0.0) < self.min_cost:
             return False
         if self.min_gpus is not None and facts.gpus < self.min_gpus:
@@ -47,13 +70,16 @@ class ApprovalOutcome(BaseModel):
     action: Action
     rule: str | None
     timeout_seconds: int
+    approvals_required: int = 1
+    require_signature: bool = False
 
 
-def evaluate(rules: list[ApprovalRule], facts: RunFacts, timeout_seconds: int) -> ApprovalOutcome:
+def evaluate(rules: list[ApprovalRule], facts: RunFacts, timeout_seconds: int, now: datetime | None = None) -> ApprovalOutcome:
     """The first matching rule decides; no match means approved without asking."""
     for rule in rules:
-        if rule.matches(facts):
-            return ApprovalOutcome(action=rule.action, rule=rule.name, timeout_seconds=timeout_seconds)
+        if rule.matches(facts, now):
+            return ApprovalOutcome(action=rule.action, rule=rule.name, timeout_seconds=rule.timeout_seconds or timeout_seconds,
+                                   approvals_required=rule.approvals_required, require_signature=rule.require_signature)
     return ApprovalOutcome(action="approve", rule=None, timeout_seconds=timeout_seconds)
 
 
@@ -78,5 +104,5 @@ policy = ApprovalPolicyBlock.load("BLOCK_NAME")
     rules: list[ApprovalRule] = Field(default_factory=list, description="Rules in order; the first that matches a run decides.")
     timeout_seconds: int = Field(default=3600, gt=0, description="How long a run waits for a person; silence past it denies the run.")
 
-    def evaluate(self, facts: RunFacts) -> ApprovalOutcome:
-        return evaluate(self.rules, facts, self.timeout_seconds)
+    def evaluate(self, facts: RunFacts, now: datetime | None = None) -> ApprovalOutcome:
+        return evaluate(self.rules, facts, self.timeout_seconds, now)

@@ -116,6 +116,10 @@ authority = AuthorityBlock.load("BLOCK_NAME")
 '''
 
     grants: list[Grant] = Field(default_factory=list, description="Root grants; a run is authorized by the first grant for its principal that covers it.")
+    approver_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="Public Ed25519 keys of approvers (name -> hex, from `aisched approvals keygen`): "
+                    "an approval signed with the matching private key proves who decided.")
 
     def authorize(self, facts: RunFacts, now: datetime | None = None) -> AuthorityDecision:
         return authorize(self.grants, facts, now)
