@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from datetime import datetime
 from typing import Optional
 
@@ -11,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from aisched_prefect.errors import AISchedError
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.report import evidence_rows
 
@@ -21,6 +23,8 @@ app.add_typer(evidence_app, name="evidence")
 app.add_typer(budget_app, name="budget")
 grants_app = typer.Typer(help="Delegate, revoke and list grants.", no_args_is_help=True)
 app.add_typer(grants_app, name="grants")
+approvals_app = typer.Typer(help="Runs waiting for a person, and approvers' keys.", no_args_is_help=True)
+app.add_typer(approvals_app, name="approvals")
 console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # piped output: no 80-column squeeze
 
 LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL (default: AISCHED_LEDGER_URL or ~/.aisched/ledger.db).")
@@ -45,9 +49,8 @@ def inventory(declared: Optional[str] = typer.Option(None, help="Declared invent
     console.print(_table("devices", [d.model_dump() for d in inv.devices], ["index", "uuid", "name", "gpu_type", "memory_gb"]))
 
 
-@evidence_app.command("keygen")
-def evidence_keygen(out: str = typer.Option(..., help="Private key file to write (PEM); OUT.pub gets the public key.")) -> None:
-    """Make an Ed25519 key pair for signing checkpoints of the evidence chain; keep the private half apart."""
+def _write_keypair(out: str) -> str:
+    """A new Ed25519 key: private half (PEM) to OUT, public half (PEM) to OUT.pub; returns the public key in hex."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
@@ -56,6 +59,13 @@ def evidence_keygen(out: str = typer.Option(..., help="Private key file to write
         f.write(key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
     with open(out + ".pub", "wb") as f:
         f.write(key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+
+@evidence_app.command("keygen")
+def evidence_keygen(out: str = typer.Option(..., help="Private key file to write (PEM); OUT.pub gets the public key.")) -> None:
+    """Make an Ed25519 key pair for signing checkpoints of the evidence chain; keep the private half apart."""
+    _write_keypair(out)
     console.print(f"wrote {out} and {out}.pub")
 
 
@@ -287,3 +297,59 @@ def grants_list(ledger: Optional[str] = LedgerOpt) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     app()
+
+
+@approvals_app.command("keygen")
+def approvals_keygen(out: str = typer.Option(..., help="Private key file to write (PEM); keep it to yourself.")) -> None:
+    """Make an approver's Ed25519 key; put the printed public key in the AuthorityBlock's approver_keys."""
+    public = _write_keypair(out)
+    console.print(f"wrote {out} (private) and {out}.pub")
+    typer.echo(public)
+
+
+@approvals_app.command("list")
+def approvals_list(as_json: bool = typer.Option(False, "--json"), ledger: Optional[str] = LedgerOpt) -> None:
+    """Runs waiting for a person's approval, oldest first."""
+    from aisched_prefect.approval_channel import pending
+
+    rows = [a.model_dump() for a in pending(Ledger(ledger))]
+    if as_json:
+        for r in rows:
+            typer.echo(json.dumps(r, sort_keys=True))
+        return
+    for r in rows:
+        r["waiting"] = f"{time.time() - r['asked_at']:.0f}s"
+        r["approvals"] = f"{len(r['votes'])}/{r['approvals_required']}"
+    console.print(_table("waiting for approval", rows, ["task_run_id", "task", "principal", "rule", "est_cost",
+                                                        "approvals", "waiting", "flow_run_id"]))
+
+
+def _answer(task_run_id: str, approve: bool, approver: str, reason: str, key: Optional[str], ledger: Optional[str]) -> None:
+    from aisched_prefect.approval_channel import answer, load_key
+
+    try:
+        answer(Ledger(ledger), task_run_id, approve=approve, approver=approver, reason=reason,
+               key=load_key(key) if key else None)
+    except AISchedError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"{'approved' if approve else 'rejected'} {task_run_id} as {approver}"
+                  + (" (signed)" if key else " (unsigned: counts only for approvers without a key)"))
+
+
+ApproverOpt = typer.Option(..., "--as", help="Your approver name (must hold a grant with can_approve).")
+KeyOpt = typer.Option(None, "--key", help="Your private key from `aisched approvals keygen`: signs the answer.")
+
+
+@app.command()
+def approve(task_run_id: str, approver: str = ApproverOpt, reason: str = typer.Option("", "--reason"),
+            key: Optional[str] = KeyOpt, ledger: Optional[str] = LedgerOpt) -> None:
+    """Approve a waiting run (id or a unique prefix, from `aisched approvals list`)."""
+    _answer(task_run_id, True, approver, reason, key, ledger)
+
+
+@app.command()
+def reject(task_run_id: str, approver: str = ApproverOpt, reason: str = typer.Option("", "--reason"),
+           key: Optional[str] = KeyOpt, ledger: Optional[str] = LedgerOpt) -> None:
+    """Reject a waiting run: its hold is released and the task fails with your reason."""
+    _answer(task_run_id, False, approver, reason, key, ledger)

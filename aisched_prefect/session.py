@@ -555,12 +555,16 @@ class RunnerSession:
                 self._settle(held, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, ids=ids)
                 raise
             answers += 1
+            if verdict.approver == "timeout":  # said with the whole wait, not what was left of it
+                verdict = verdict.model_copy(update={"reason": f"no decision within {ask.timeout_seconds}s: silence denies"})
             verdict, extra = self._check_vote(verdict, current, facts)
             vote = {**payload, **verdict.model_dump(exclude={"signature"}), **extra}
             self._announce(APPROVAL_DECIDED_EVENT, current, {"approver": verdict.approver, "approved": verdict.approved,
                                                              "reason": verdict.reason, **extra})
             if not verdict.approved:
                 self._settle(held, None, kind="approval", payload={**vote, "outcome": "rejected"}, ids=ids)
+                if verdict.approver == "timeout":
+                    raise AdmissionDenied("approval", verdict.reason, "answer sooner, or raise the rule's timeout_seconds")
                 raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
                                       "ask an approver again, or change the request")
             if verdict.approver in approved:
