@@ -96,7 +96,7 @@ class ApprovalRequest(BaseModel):
             f"- asked by rule: `{self.rule}`\n"
             + quorum +
             f"- no answer within {self.timeout_seconds}s denies the run\n"
-            f"- approval digest: `{self.digest}` (sign it with `aisched approve {self.task_run_id} --as NAME --key KEY`)"
+            f"- approval digest `{self.digest[:16]}...`; to sign your answer: `aisched approve {self.task_run_id[:8]} --as NAME --key KEY`"
             + ("; this rule counts only signed approvals" if self.require_signature else "")
         )
 
