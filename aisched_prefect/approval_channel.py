@@ -38,6 +38,7 @@ class PendingApproval(BaseModel):
     approvals_required: int
     votes: list[str]
     asked_at: float
+    items: list[str] = []  # a batch: every task run one answer covers (this id is the first)
 
 
 def pending(ledger: Ledger) -> list[PendingApproval]:
@@ -53,10 +54,18 @@ def pending(ledger: Ledger) -> list[PendingApproval]:
                 rule=p.get("approval_rule"), est_cost=(p.get("estimate") or {}).get("amount", 0.0),
                 digest=p.get("approval_digest", ""), approvals_required=p.get("approvals_required", 1),
                 votes=[], asked_at=r.ts)
+        elif r.kind == "approval-batch":
+            members = [open_.pop(i) for i in r.payload["items"] if i in open_]
+            if members:
+                open_[members[0].task_run_id] = members[0].model_copy(update={
+                    "digest": r.payload["digest"], "est_cost": r.payload["est_cost"], "task": r.payload["task"],
+                    "items": [m.task_run_id for m in members]})
         elif r.kind == "approval-vote" and r.task_run_id in open_ and r.payload.get("counted"):
             open_[r.task_run_id].votes.append(r.payload.get("approver", "?"))
         elif r.kind in _ENDS_A_REQUEST:
-            open_.pop(r.task_run_id, None)
+            for key, a in list(open_.items()):
+                if key == r.task_run_id or r.task_run_id in a.items:
+                    del open_[key]
     return sorted(open_.values(), key=lambda a: a.asked_at)
 
 
@@ -73,7 +82,7 @@ def answer(ledger: Ledger, task_run_id: str, *, approve: bool, approver: str, re
     """Resume the paused run with this answer, signed when a key is given; returns the input sent."""
     from prefect.flow_runs import resume_flow_run
 
-    matches = [a for a in pending(ledger) if a.task_run_id == task_run_id or a.task_run_id.startswith(task_run_id)]
+    matches = [a for a in pending(ledger) if any(i.startswith(task_run_id) for i in [a.task_run_id, *a.items])]
     if len(matches) != 1:
         raise NoSuchApproval(
             f"{'no' if not matches else 'more than one'} run waiting for approval matches {task_run_id!r}: "

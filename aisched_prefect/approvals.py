@@ -80,10 +80,13 @@ class ApprovalRequest(BaseModel):
     approvals_required: int = 1
     approved_by: list[str] = []  # approvers counted so far (k of n)
     round: int = 0  # how many answers came before this one (each answer is its own pause)
+    items: list[dict[str, Any]] = []  # a batch: every run it covers (task_run_id, task, request, est_cost)
     require_signature: bool = False
 
     def describe(self) -> str:
         req = ", ".join(f"{k}={v}" for k, v in self.request.items() if v not in (None, 0, 0.0))
+        batch = "".join(f"  - `{i['task']}` {i['task_run_id'][:8]}: {i['est_cost']:.4f} {self.currency}\n"
+                        for i in self.items)
         quorum = (f"- approvals needed: {self.approvals_required} different approvers; so far: "
                   f"{', '.join(self.approved_by) or 'none'}\n") if self.approvals_required > 1 else ""
         return (
@@ -94,6 +97,7 @@ class ApprovalRequest(BaseModel):
             + (f"(budget left after hold: {self.remaining_budget:.4f})" if self.remaining_budget is not None else "(no money limit)")
             + "\n"
             f"- asked by rule: `{self.rule}`\n"
+            + (f"- one answer for all {len(self.items)} runs of this batch:\n{batch}" if self.items else "")
             + quorum +
             f"- no answer within {self.timeout_seconds}s denies the run\n"
             f"- approval digest `{self.digest[:16]}...`; to sign your answer: `aisched approve {self.task_run_id[:8]} --as NAME --key KEY`"

@@ -320,7 +320,8 @@ def approvals_list(as_json: bool = typer.Option(False, "--json"), ledger: Option
     for r in rows:
         r["waiting"] = f"{time.time() - r['asked_at']:.0f}s"
         r["approvals"] = f"{len(r['votes'])}/{r['approvals_required']}"
-    console.print(_table("waiting for approval", rows, ["task_run_id", "task", "principal", "rule", "est_cost",
+        r["runs"] = len(r["items"]) or 1
+    console.print(_table("waiting for approval", rows, ["task_run_id", "task", "runs", "principal", "rule", "est_cost",
                                                         "approvals", "waiting", "flow_run_id"]))
 
 

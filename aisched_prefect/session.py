@@ -30,15 +30,8 @@ from uuid import UUID
 from distributed import Client, Future, KilledWorker
 from pydantic import BaseModel, ConfigDict
 
-from aisched_prefect.approvals import (
-    ApprovalDecision,
-    ApprovalRequest,
-    Approver,
-    PolicyApprover,
-    PrefectPauseApprover,
-    approval_digest,
-    signature_valid,
-)
+from aisched_prefect.approval_desk import ApprovalDesk
+from aisched_prefect.approvals import ApprovalRequest, Approver, PolicyApprover, PrefectPauseApprover, approval_digest
 from aisched_prefect.config import RunnerConfig
 from aisched_prefect.errors import AdmissionDenied, TicketRejected
 from aisched_prefect.evidence import EvidenceRecord
@@ -81,8 +74,6 @@ REVOCATION_POLL_SECONDS = 0.5
 BLOCK_TTL_SECONDS = 5.0
 TOP_UP_AT = 0.8  # ask for a top-up when a GPU task has used this share of the time its holds cover
 ALERT_EVENT = "aisched.budget.threshold-crossed"
-APPROVAL_REQUESTED_EVENT = "aisched.approval.requested"
-APPROVAL_DECIDED_EVENT = "aisched.approval.decided"
 
 
 class Admission(BaseModel):
@@ -150,6 +141,8 @@ class RunnerSession:
             PrefectPauseApprover() if config.approver == "pause"
             else PolicyApprover() if config.approver == "policy" else config.approver
         )
+        self.desk = ApprovalDesk(self.approver, self._approver_grant, lambda: self.authority.approver_keys,
+                                 config.approval_hook, on_batch=self._record_batch)
         self.ledger = Ledger(config.ledger_url, lease_seconds=config.hold_lease_seconds, on_alert=self._alert)
         self.tenant = config.tenant or config.principal.split("/")[0]
         self.cluster: LocalGPUCluster | None = None
@@ -470,120 +463,49 @@ class RunnerSession:
                 return chain
         return None
 
-    def _check_vote(self, verdict: ApprovalDecision, ask: ApprovalRequest, facts: RunFacts) -> tuple[ApprovalDecision, dict[str, Any]]:
-        """Whether one answer counts; an answer that does not is a rejection that says why.
-
-        It counts only from a named person other than the requester, who holds
-        (through a valid chain) a grant with the right to approve this run, and,
-        when that person has a key in the AuthorityBlock or the rule asks for
-        signatures, whose signature covers exactly this request's digest.
-        """
-        if verdict.channel == "policy" or verdict.approver == "timeout":
-            return verdict, {}
-        said = f"their answer was {'approve' if verdict.approved else 'reject'}: {verdict.reason}"
-
-        def refuse(why: str) -> tuple[ApprovalDecision, dict[str, Any]]:
-            return verdict.model_copy(update={"approved": False, "reason": f"{why} ({said})"}), {"verified": False}
-
-        if not verdict.approver or verdict.approver == ask.principal:
-            return refuse("the requester cannot approve its own run, and an approver must give a name")
-        approving = self._approver_grant(verdict.approver, facts)
-        if approving is None:
-            return refuse(f"{verdict.approver!r} holds no grant with the right to approve this run")
-        key = self.authority.approver_keys.get(verdict.approver)
-        extra: dict[str, Any] = {"approver_chain": [g.id for g in approving], "verified": False}
-        if key is not None or verdict.signature:
-            if key is None:
-                return refuse(f"{verdict.approver!r} signed, but has no key in the AuthorityBlock's approver_keys")
-            if not verdict.signature:
-                return refuse(f"an unsigned answer in the name of {verdict.approver!r}, who has a key: "
-                              f"use `aisched approve {ask.task_run_id} --as {verdict.approver} --key KEY`")
-            if not signature_valid(key, ask.digest, verdict):
-                return refuse(f"the signature of {verdict.approver!r} does not match this request (digest "
-                              f"{ask.digest[:12]}...): it was made for another request, or this one changed")
-            extra["verified"] = True
-        elif ask.require_signature:
-            return refuse(f"rule {ask.rule!r} counts only signed approvals, and {verdict.approver!r} has no key "
-                          "in the AuthorityBlock's approver_keys")
-        return verdict, extra
-
-    def _announce(self, event: str, ask: ApprovalRequest, payload: dict[str, Any]) -> None:
-        """A Prefect event for every approval request and decision, so automations can notify people."""
-        try:
-            from prefect.events import emit_event
-
-            emit_event(event=event, resource={
-                "prefect.resource.id": f"aisched.approval.{ask.task_run_id}", "prefect.resource.name": ask.task_name,
-                "aisched.principal": ask.principal, "aisched.rule": str(ask.rule)}, payload=payload)
-        except Exception:
-            logger.exception("could not emit %s", event)
-        hook = self.config.approval_hook
-        if hook is not None and event == APPROVAL_REQUESTED_EVENT:
-            try:
-                if isinstance(hook, str):
-                    import httpx
-
-                    httpx.post(hook, json={"event": event, **ask.model_dump(mode="json")}, timeout=10)
-                else:
-                    hook(ask)
-            except Exception:  # a chat hook that fails must not decide the run
-                logger.exception("approval hook failed")
+    def _record_batch(self, ask: ApprovalRequest) -> None:
+        self.ledger.record("approval-batch", {"items": [i["task_run_id"] for i in ask.items], "digest": ask.digest,
+                                              "est_cost": ask.est_cost, "task": ask.task_name},
+                           flow_run_id=ask.flow_run_id, task_run_id=ask.task_run_id, principal=ask.principal)
 
     def _ask_person(self, ask: ApprovalRequest, held: list[Hold], payload: dict[str, Any],
                     ids: dict[str, Any], facts: RunFacts) -> EvidenceRecord:
-        """Collect approvals until the rule's quorum; any counted rejection, or silence, denies.
+        """Wait for the desk's decision (batched with concurrent asks); record it for this run.
 
-        Each answer is its own pause (and record). An answer that does not count
-        (see `_check_vote`) is recorded as a rejection: an attempt to approve
-        without the right ends the request. A second answer from someone already
-        counted is recorded and ignored. Returns the admission record.
+        A rejection, silence or an abort voids this run's hold; an approval is
+        followed by a fresh authority check (a revocation while the run waited
+        denies it too). Returns the admission record.
         """
-        deadline = time.monotonic() + ask.timeout_seconds
-        approved: dict[str, dict[str, Any]] = {}
-        self._announce(APPROVAL_REQUESTED_EVENT, ask, {"digest": ask.digest, "est_cost": ask.est_cost,
-                                                       "approvals_required": ask.approvals_required})
-        answers = 0
-        while len(approved) < ask.approvals_required:
-            remaining = int(deadline - time.monotonic())
-            current = ask.model_copy(update={"approved_by": list(approved), "round": answers,
-                                             "timeout_seconds": max(remaining, 1)})
-            try:
-                verdict = self.approver.decide(current) if remaining > 0 else ApprovalDecision(
-                    approved=False, approver="timeout", channel="timeout",
-                    reason=f"no decision within {ask.timeout_seconds}s: silence denies")
-            except BaseException:
-                self._settle(held, None, kind="settlement", payload={**payload, "outcome": "approval-aborted"}, ids=ids)
-                raise
-            answers += 1
-            if verdict.approver == "timeout":  # said with the whole wait, not what was left of it
-                verdict = verdict.model_copy(update={"reason": f"no decision within {ask.timeout_seconds}s: silence denies"})
-            verdict, extra = self._check_vote(verdict, current, facts)
-            vote = {**payload, **verdict.model_dump(exclude={"signature"}), **extra}
-            self._announce(APPROVAL_DECIDED_EVENT, current, {"approver": verdict.approver, "approved": verdict.approved,
-                                                             "reason": verdict.reason, **extra})
-            if not verdict.approved:
-                self._settle(held, None, kind="approval", payload={**vote, "outcome": "rejected"}, ids=ids)
-                if verdict.approver == "timeout":
-                    raise AdmissionDenied("approval", verdict.reason, "answer sooner, or raise the rule's timeout_seconds")
-                raise AdmissionDenied("approval", f"{verdict.approver} rejected the run: {verdict.reason}",
-                                      "ask an approver again, or change the request")
-            if verdict.approver in approved:
-                self.ledger.record("approval-vote", {**vote, "counted": False,
-                                                     "reason": f"{verdict.approver} already approved"}, **ids)
-                continue
-            approved[verdict.approver] = extra
-            if len(approved) < ask.approvals_required:
-                self.ledger.record("approval-vote", {**vote, "counted": True,
-                                                     "approved_by": list(approved)}, **ids)
-        last = {**payload, **verdict.model_dump(exclude={"signature"}), **approved[verdict.approver],
-                "approved_by": list(approved), "approver_chains": {a: e.get("approver_chain") for a, e in approved.items()}}
-        self.ledger.record("approval", last, **ids)
-        chain, refusal = self._authorize(facts)  # a revocation while the run waited denies it too
+        verdict, items = self.desk.ask(ask, facts)
+        leader = items[0].task_run_id == ask.task_run_id
+        batch = ({"batch": [a.task_run_id for a in items], "batch_digest": verdict.ask.digest}
+                 if len(items) > 1 and verdict.ask is not None else {})
+        if verdict.error is not None:
+            self._settle(held, None, kind="settlement", payload={**payload, "outcome": "approval-aborted", **batch}, ids=ids)
+            if leader:
+                raise verdict.error
+            raise AdmissionDenied("approval", verdict.final.decision.reason, "run the flow again")
+        if leader:  # answers before the final one, recorded once for the batch
+            for vote, counted in verdict.votes:
+                self.ledger.record("approval-vote", {**payload, **vote.decision.model_dump(exclude={"signature"}),
+                                                     **vote.extra, **batch, "counted": counted}, **ids)
+        final = {**payload, **verdict.final.decision.model_dump(exclude={"signature"}), **verdict.final.extra, **batch}
+        if not verdict.approved:
+            self._settle(held, None, kind="approval", payload={**final, "outcome": "rejected"}, ids=ids)
+            decision = verdict.final.decision
+            if decision.approver == "timeout":
+                raise AdmissionDenied("approval", decision.reason, "answer sooner, or raise the rule's timeout_seconds")
+            raise AdmissionDenied("approval", f"{decision.approver} rejected the run: {decision.reason}",
+                                  "ask an approver again, or change the request")
+        self.ledger.record("approval", {**final, "approved_by": list(verdict.approved_by),
+                                        "approver_chains": {a: e.get("approver_chain") for a, e in verdict.approved_by.items()}},
+                           **ids)
+        chain, refusal = self._authorize(facts)
         if chain is None:
             self._settle(held, None, kind="settlement",
                          payload={**payload, "outcome": "revoked-while-waiting"}, ids=ids)
             raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
-        return self.ledger.record("admission", {**payload, "approval": ", ".join(approved),
+        return self.ledger.record("admission", {**payload, "approval": ", ".join(verdict.approved_by),
                                                 "holds": [h.model_dump() for h in held]}, **ids)
 
     # -- execution and settlement ---------------------------------------------------

@@ -41,13 +41,22 @@ def keyed_authority(**keys):
     return authority().model_copy(update={"approver_keys": {name: public_key_hex(k) for name, k in keys.items()}})
 
 
-def run_gated(address, ledger_url, respond, *, approval_policy=None, auth=None, lr=0.1, **kw):
+def outcome(future):
+    try:
+        return future.result()
+    except AdmissionDenied as exc:
+        return f"denied: {exc}"
+
+
+def run_gated(address, ledger_url, respond, *, approval_policy=None, auth=None, lr=0.1, mapped=None, **kw):
     """Run a flow whose training task needs approval; call respond(flow_run_id, answer_number) at each pause."""
     name = f"gated-{uuid.uuid4().hex[:8]}"
 
     @flow(name=name, task_runner=runner(address, ledger_url, approval_policy=approval_policy or policy(),
                                         authority=auth or authority(), **kw))
     def gated():
+        if mapped is not None:
+            return [outcome(f) for f in finetune.map(mapped)]
         try:
             return finetune(lr)
         except AdmissionDenied as exc:
@@ -184,6 +193,36 @@ def test_cli_reject_and_the_hook_and_events(gpu_cluster, sqlite_url):
     assert names == {"aisched.approval.requested", "aisched.approval.decided"}
     assert "no run waiting for approval matches" in cli.invoke(
         app, ["approve", "nope", "--as", "bob", "--ledger", sqlite_url]).stdout
+
+
+def test_a_map_asks_once_for_the_batch_and_records_a_decision_per_item(gpu_cluster, sqlite_url):
+    pauses = []
+
+    def respond(flow_run_id, n):
+        pauses.append(n)
+        api_answer("alice")(flow_run_id, n)
+
+    out = run_gated(gpu_cluster.scheduler_address, sqlite_url, respond, mapped=[0.1, 0.2, 0.3])
+    assert out == ["trained at 0.1", "trained at 0.2", "trained at 0.3"] and pauses == [1]
+    approvals = [r for r in Ledger(sqlite_url).records() if r.kind == "approval"]
+    assert len(approvals) == 3 and len({r.task_run_id for r in approvals}) == 3
+    assert all(sorted(r.payload["batch"]) == sorted(a.task_run_id for a in approvals) for r in approvals)
+    assert {r.payload["batch_digest"] for r in approvals} != {r.payload["approval_digest"] for r in approvals}
+
+
+def test_a_rejected_batch_denies_every_item_and_releases_every_hold(gpu_cluster, sqlite_url, tmp_path):
+    out = run_gated(gpu_cluster.scheduler_address, sqlite_url, cli_answer(sqlite_url, "bob", None, verb="reject"),
+                    mapped=[0.1, 0.2])
+    assert len(out) == 2 and all("bob rejected the run: looked at it" in o for o in out)
+    ledger = Ledger(sqlite_url)
+    assert ledger.accounts()[0]["pending"] == 0 and ledger.accounts()[0]["posted"] == 0
+
+
+def test_a_signed_cli_approval_covers_a_whole_batch(gpu_cluster, sqlite_url, tmp_path):
+    out = run_gated(gpu_cluster.scheduler_address, sqlite_url, cli_answer(sqlite_url, "alice", keyfile(tmp_path, ALICE)),
+                    auth=keyed_authority(alice=ALICE), mapped=[0.1, 0.2])
+    assert out == ["trained at 0.1", "trained at 0.2"]
+    assert all(r.payload["verified"] for r in Ledger(sqlite_url).records() if r.kind == "approval")
 
 
 @pytest.mark.parametrize("hour, matches", [(20, True), (3, True), (8, False), (12, False)])
