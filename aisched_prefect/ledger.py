@@ -54,7 +54,7 @@ from aisched_prefect.evidence import (
 
 LEDGER_URL_ENV = "AISCHED_LEDGER_URL"
 HOME_ENV = "AISCHED_HOME"
-SCHEMA_VERSION = 4  # 2: delegated grants and revocations; 3: signed checkpoints; 4: units, leases, alerts
+SCHEMA_VERSION = 5  # 2: delegated grants and revocations; 3: signed checkpoints; 4: units, leases, alerts; 5: flow versions
 MICROS = 1_000_000
 DEFAULT_LEASE_SECONDS = 300.0
 ALERT_THRESHOLDS = (50, 80, 100)  # percent of a limit used (posted + held)
@@ -133,6 +133,13 @@ checkpoints = sa.Table(
     sa.Column("ts", sa.Float, nullable=False),
 )
 
+flow_versions = sa.Table(
+    "aisched_flow_versions", metadata,
+    sa.Column("flow", sa.String(200), primary_key=True),
+    sa.Column("version", sa.String(200), primary_key=True),
+    sa.Column("first_admitted_at", sa.Float, nullable=False),
+)
+
 chain_head = sa.Table(
     "aisched_chain_head", metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
@@ -153,6 +160,7 @@ MIGRATIONS: dict[int, list[str]] = {
         "CREATE INDEX IF NOT EXISTS ix_aisched_holds_account ON aisched_holds (budget, period, status)",
         "CREATE INDEX IF NOT EXISTS ix_aisched_holds_task_run_id ON aisched_holds (task_run_id)",
     ],
+    5: [],  # aisched_flow_versions is a new table
 }
 
 
@@ -806,6 +814,22 @@ class Ledger:
     def delegated_grants(self) -> dict[str, Grant]:
         with self.reader.connect() as conn:
             return {row.id: Grant.model_validate(row.body) for row in conn.execute(sa.select(grants.c.id, grants.c.body))}
+
+    def flow_version_seen(self, flow: str, version: str) -> bool:
+        """Whether a run of this flow at this version was ever admitted."""
+        with self.reader.connect() as conn:
+            return conn.execute(sa.select(flow_versions.c.flow).where(
+                (flow_versions.c.flow == flow) & (flow_versions.c.version == version))).first() is not None
+
+    def mark_flow_version(self, flow: str, version: str) -> None:
+        """Remember that a run of this flow version was admitted (once; later calls change nothing)."""
+        try:
+            with self.engine.begin() as conn:
+                if conn.execute(sa.select(flow_versions.c.flow).where(
+                        (flow_versions.c.flow == flow) & (flow_versions.c.version == version))).first() is None:
+                    conn.execute(flow_versions.insert().values(flow=flow, version=version, first_admitted_at=time.time()))
+        except sa.exc.IntegrityError:  # another process marked it first
+            pass
 
     def revoked_ids(self) -> set[str]:
         """Every revoked grant id. Read at each admission, so on the raw cursor: one statement, no ORM-side work."""

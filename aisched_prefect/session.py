@@ -159,6 +159,7 @@ class RunnerSession:
             self.close()
             raise
         self.flow_run_ids: set[str] = set()
+        self._versions_seen: set[tuple[str, str]] = set()
         # AI tasks between submission and settlement (Dask key -> state), holds to keep leased, and the watcher.
         self._running: dict[str, _Running] = {}
         self._live_holds: set[str] = set()
@@ -363,7 +364,8 @@ class RunnerSession:
         return AdmissionDenied(stage, reason, fix)
 
     def run(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
-            *, task_name: str, task_run_id: str, flow_run_id: str, flow_name: str | None = None) -> Any:
+            *, task_name: str, task_run_id: str, flow_run_id: str, flow_name: str | None = None,
+            flow_version: str | None = None) -> Any:
         """Admit one call of an AI task, run it on its devices, settle it; return its result."""
         self.flow_run_ids.add(flow_run_id)
         ids = {"flow_run_id": flow_run_id, "task_run_id": task_run_id, "principal": self.config.principal}
@@ -371,10 +373,11 @@ class RunnerSession:
             "task": task_name, "request": request.model_dump(), "authority": self.authority_name,
             "budget": self.budget_name, "policy": self.config.approval_policy if isinstance(self.config.approval_policy, str) else None,
         }
-        admission = self._admit(request, payload, ids, flow_name, (args, kwargs))
+        admission = self._admit(request, payload, ids, (flow_name, flow_version), (args, kwargs))
         return self._execute(fn, request, args, kwargs, admission, payload, ids, task_name)
 
-    def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any], flow_name: str | None = None,
+    def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any],
+               flow: tuple[str | None, str | None] = (None, None),
                call: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})) -> Admission:
         """Feasibility, pricing, authority, policy, budget hold, then a person if the policy asks."""
         gpu_request = request.gpu_request()
@@ -388,8 +391,10 @@ class RunnerSession:
         except UnpriceableRequest as exc:
             raise self._deny("pricing", str(exc), f"add the price to BudgetBlock {self.budget_name!r}", payload, ids) from None
         payload["estimate"] = estimate.model_dump()
+        flow_name, flow_version = flow
         facts = RunFacts(
-            principal=self.config.principal, tenant=self.tenant, flow=flow_name,
+            principal=self.config.principal, tenant=self.tenant, flow=flow_name, flow_version=flow_version,
+            first_of_version=self._first_of_version(flow_name, flow_version),
             kind=request.kind, model=request.model, gpus=request.gpus,
             gpu_types=tuple(types),
             est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount,
@@ -440,6 +445,10 @@ class RunnerSession:
                 timeout_seconds=outcome.timeout_seconds, digest=payload["approval_digest"],
                 approvals_required=outcome.approvals_required, require_signature=outcome.require_signature,
             ), held, payload, ids, facts)
+        if facts.first_of_version:
+            assert flow_name is not None and flow_version is not None
+            self.ledger.mark_flow_version(flow_name, flow_version)
+            self._versions_seen.add((flow_name, flow_version))
         ticket = self.signer.issue(
             admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
             chain=tuple(payload["chain"]), expires_at=time.time() + self.config.ticket_ttl_seconds,
@@ -447,6 +456,17 @@ class RunnerSession:
         return Admission(ticket=ticket, workers=workers, holds=held, reserved=estimate.amount,
                          priced_type=estimate.gpu_type_priced, chain=payload["chain"], facts=facts,
                          expires_at=min((utc(g.expires_at).timestamp() for g in chain if g.expires_at), default=None))
+
+    def _first_of_version(self, flow: str | None, version: str | None) -> bool:
+        """No run of this flow version was admitted yet; read only when a policy rule asks."""
+        if self.policy is None or not self.policy.watches_flow_versions or flow is None or version is None:
+            return False
+        if (flow, version) in self._versions_seen:
+            return False
+        if self.ledger.flow_version_seen(flow, version):
+            self._versions_seen.add((flow, version))
+            return False
+        return True
 
     def _approver_grant(self, approver: str, facts: RunFacts) -> list[Grant] | None:
         """The chain by which `approver` holds the right to approve a run like this one, if any."""

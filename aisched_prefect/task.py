@@ -45,6 +45,7 @@ def _admit_and_run(fn: Callable[..., Any], request: AIRequest, args: tuple[Any, 
         fn, request, args, kwargs, task_name=task_ctx.task.name,
         task_run_id=str(task_ctx.task_run.id), flow_run_id=str(flow_ctx.flow_run.id),
         flow_name=flow_ctx.flow.name if flow_ctx.flow else None,
+        flow_version=flow_ctx.flow.version if flow_ctx.flow else None,
     )
 
 

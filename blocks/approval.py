@@ -28,6 +28,7 @@ class ApprovalRule(BaseModel):
     gpu_types: list[str] | None = Field(default=None, description="Matches runs on these GPU types.")
     models: list[str] | None = Field(default=None, description="Matches runs of these models.")
     principals: list[str] | None = Field(default=None, description="Matches runs of these principals.")
+    new_flow_version: bool = Field(default=False, description="Matches only runs of a flow version that has never had a run admitted.")
     hours_utc: str | None = Field(default=None, description="Matches runs asked for between these UTC hours, e.g. '18-8' (6 pm to 8 am).")
     approvals_required: int = Field(default=1, ge=1, le=10, description="'ask': how many different approvers must approve (k of n).")
     timeout_seconds: int | None = Field(default=None, gt=0, description="'ask': how long to wait; silence past it denies. Empty: the policy's.")
@@ -49,6 +50,8 @@ class ApprovalRule(BaseModel):
 
     def matches(self, facts: RunFacts, now: datetime | None = None) -> bool:
         if not self.in_hours(now):
+            return False
+        if self.new_flow_version and not facts.first_of_version:
             return False
         if self.min_cost is not None and (facts.est_cost or 0.0) < self.min_cost:
             return False
@@ -103,6 +106,10 @@ policy = ApprovalPolicyBlock.load("BLOCK_NAME")
 
     rules: list[ApprovalRule] = Field(default_factory=list, description="Rules in order; the first that matches a run decides.")
     timeout_seconds: int = Field(default=3600, gt=0, description="How long a run waits for a person; silence past it denies the run.")
+
+    @property
+    def watches_flow_versions(self) -> bool:
+        return any(rule.new_flow_version for rule in self.rules)
 
     def evaluate(self, facts: RunFacts, now: datetime | None = None) -> ApprovalOutcome:
         return evaluate(self.rules, facts, self.timeout_seconds, now)

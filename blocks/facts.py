@@ -16,6 +16,9 @@ class RunFacts(BaseModel):
     """Who pays: the runner's tenant=, else the principal up to its first '/'."""
     flow: str | None = None
     """Name of the Prefect flow the run belongs to."""
+    flow_version: str | None = None
+    first_of_version: bool = False
+    """No run of this flow at this version has been admitted before (checked only when a rule asks)."""
     model: str | None = None
     gpus: float = Field(default=0, ge=0)
     gpu_types: tuple[str, ...] = ()

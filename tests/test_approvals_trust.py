@@ -237,3 +237,21 @@ def test_hours_utc_wrap_around_midnight(hour, matches):
 def test_bad_hours_name_the_field():
     with pytest.raises(ValueError, match=r"hours_utc='25-3': write 'FROM-TO' in whole UTC hours"):
         ApprovalRule(name="x", hours_utc="25-3")
+
+
+def test_the_first_run_of_a_new_flow_version_asks_and_later_runs_do_not(gpu_cluster, sqlite_url):
+    from aisched_prefect import PolicyApprover
+
+    rules = ApprovalPolicyBlock(rules=[ApprovalRule(name="new-version", new_flow_version=True)])
+
+    def make(version):
+        @flow(name="versioned-train", version=version, task_runner=runner(
+            gpu_cluster.scheduler_address, sqlite_url, approval_policy=rules, approver=PolicyApprover(on_ask="approve")))
+        def versioned():
+            return finetune()
+        return versioned
+
+    for version in ("v1", "v1", "v2"):
+        assert make(version)() == "trained at 0.1"
+    rules_applied = [r.payload["approval_rule"] for r in Ledger(sqlite_url).records() if r.kind == "admission"]
+    assert rules_applied == ["new-version", None, "new-version"]
