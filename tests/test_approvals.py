@@ -87,12 +87,18 @@ def test_requester_cannot_approve_its_own_run(gpu_cluster, sqlite_url):
     out = run_paused_flow(gpu_cluster.scheduler_address, sqlite_url,
                           {"approve": True, "approver": "team-a/nightly", "reason": "me"})
     assert "cannot approve its own run" in out
+    approval = [r for r in Ledger(sqlite_url).records() if r.kind == "approval"][-1].payload
+    assert approval["approved"] is False and approval["approver"] == "team-a/nightly" and approval["outcome"] == "rejected"
+    assert "admission" not in [r.kind for r in Ledger(sqlite_url).records()]
 
 
 def test_silence_past_the_timeout_denies(gpu_cluster, sqlite_url):
     out = run_paused_flow(gpu_cluster.scheduler_address, sqlite_url, None, timeout=3)
     assert "denied at approval" in out and "silence denies" in out
-    assert Ledger(sqlite_url).accounts()[0]["pending"] == 0
+    ledger = Ledger(sqlite_url)
+    assert ledger.accounts()[0]["pending"] == 0
+    assert [r.kind for r in ledger.records()] == ["approval-requested", "approval"]
+    assert ledger.records()[-1].payload["approver"] == "timeout" and ledger.records()[-1].payload["approved"] is False
 
 
 def test_policy_approver_decides_without_a_person(gpu_cluster, sqlite_url):

@@ -255,3 +255,29 @@ def test_the_first_run_of_a_new_flow_version_asks_and_later_runs_do_not(gpu_clus
         assert make(version)() == "trained at 0.1"
     rules_applied = [r.payload["approval_rule"] for r in Ledger(sqlite_url).records() if r.kind == "admission"]
     assert rules_applied == ["new-version", None, "new-version"]
+
+
+def test_the_approval_hook_can_be_a_webhook(gpu_cluster, sqlite_url):
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    received: list[dict] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = run_gated(gpu_cluster.scheduler_address, sqlite_url, api_answer("bob", approve=False),
+                        approval_hook=f"http://127.0.0.1:{server.server_port}/approvals")
+    finally:
+        server.shutdown()
+    assert out.startswith("denied: denied at approval: bob rejected the run")
+    assert len(received) == 1 and received[0]["event"] == "aisched.approval.requested"
+    assert received[0]["task_name"] == "finetune" and received[0]["principal"] == "team-a/nightly"
