@@ -1,0 +1,286 @@
+"""Which waiting runs start now, and where: pure scheduling policies (queue + free devices in, starts out).
+
+No clock, no I/O, no Prefect, no Dask: the same objects are driven by the
+discrete-event simulator (`aisched_prefect.simulator`, `bench/simulate.py`)
+and are meant to be driven by the live runner. A host is a Dask worker; a job
+needs `gpus` devices on one host.
+
+Policies:
+- `PlainDask`: a model of plain Dask, for comparison: each job goes to a host
+  at submit (least queued work), each host runs its own queue last-in first-out,
+  and a head that does not fit blocks the jobs behind it.
+- `Fifo`: one queue for the cluster, strictly in submit order.
+- `EasyBackfill`: FIFO with EASY backfill (the head gets a reservation; later
+  jobs may start now if they cannot delay it).
+- `FairShare`: ours: weighted fair share between tenants (decayed usage), a
+  shortest-first preference inside it, aging so nothing waits forever, and
+  EASY backfill around the reservation of whoever is first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A run waiting to start: who pays, what it needs, when it asked, how long it says it takes."""
+
+    id: int
+    tenant: str
+    gpus: int
+    submit: float
+    estimate: float
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class Running:
+    job: Job
+    host: int
+    start: float
+
+    @property
+    def expected_end(self) -> float:
+        return self.start + self.job.estimate
+
+
+@dataclass
+class ClusterState:
+    """Free GPUs per host and what runs where (what a policy may look at)."""
+
+    free: list[int]
+    running: list[Running] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return sum(self.free) + sum(r.job.gpus for r in self.running)
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    job: Job
+    host: int
+
+
+def best_fit(free: list[int], gpus: int, exclude: int = -1, limit: int | None = None) -> int | None:
+    """The host with the fewest free GPUs that still holds `gpus` (keeps big holes for big jobs)."""
+    best, best_free = None, math.inf
+    for h, f in enumerate(free):
+        room = f if h != exclude else (limit if limit is not None else f)
+        if room >= gpus and f < best_free:
+            best, best_free = h, f
+    return best
+
+
+class Policy:
+    """A scheduling policy: told of each submitted job, asked what starts now."""
+
+    name = "policy"
+
+    def submit(self, job: Job, state: ClusterState) -> None:
+        raise NotImplementedError
+
+    def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        raise NotImplementedError
+
+    def waiting(self) -> int:
+        raise NotImplementedError
+
+
+class PlainDask(Policy):
+    """Plain Dask's behaviour, modelled: host chosen at submit, per-host LIFO, head-of-line blocking."""
+
+    name = "plain-dask"
+
+    def __init__(self, hosts: int) -> None:
+        self.queues: list[list[Job]] = [[] for _ in range(hosts)]
+        self.queued_work = [0.0] * hosts
+
+    def submit(self, job: Job, state: ClusterState) -> None:
+        per_host = [(self.queued_work[h] - state.free[h], h) for h in range(len(self.queues))]
+        h = min(per_host)[1]  # least occupied, as Dask's worker objective would pick
+        self.queues[h].append(job)
+        self.queued_work[h] += job.gpus * job.estimate
+
+    def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        starts = []
+        for h, queue in enumerate(self.queues):
+            while queue and queue[-1].gpus <= state.free[h]:  # last in, first out; the head blocks
+                job = queue.pop()
+                self.queued_work[h] -= job.gpus * job.estimate
+                state.free[h] -= job.gpus
+                starts.append(Start(job, h))
+        return starts
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self.queues)
+
+
+class Fifo(Policy):
+    """One queue in submit order; the head waits for room and everyone waits behind it."""
+
+    name = "fifo"
+
+    def __init__(self) -> None:
+        self.queue: list[Job] = []
+
+    def submit(self, job: Job, state: ClusterState) -> None:
+        self.queue.append(job)
+
+    def order(self, now: float, state: ClusterState | None = None) -> list[Job]:
+        """The jobs in the order they are served."""
+        return self.queue
+
+    def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        starts = []
+        for job in list(self.order(now, state)):
+            h = best_fit(state.free, job.gpus)
+            if h is None:
+                break
+            state.free[h] -= job.gpus
+            self.queue.remove(job)
+            starts.append(Start(job, h))
+        return starts
+
+    def waiting(self) -> int:
+        return len(self.queue)
+
+
+def reservation(job: Job, now: float, state: ClusterState) -> tuple[float, int, int]:
+    """When and where `job` can start at the earliest if nothing else starts: (time, host, GPUs spare there then)."""
+    best = (math.inf, -1, 0)
+    ends: dict[int, list[Running]] = {}
+    for r in state.running:
+        ends.setdefault(r.host, []).append(r)
+    for h, free in enumerate(state.free):
+        t = now
+        for r in sorted(ends.get(h, []), key=lambda r: r.expected_end):
+            if free >= job.gpus:
+                break
+            free += r.job.gpus
+            t = max(now, r.expected_end)
+        if free >= job.gpus and t < best[0]:
+            best = (t, h, free - job.gpus)
+    return best
+
+
+class EasyBackfill(Fifo):
+    """FIFO with EASY backfill: a job behind the head starts now only if it cannot delay the head's reservation."""
+
+    name = "easy-backfill"
+
+    def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        starts: list[Start] = []
+        order = list(self.order(now, state))
+        i = 0
+        while i < len(order):  # start from the front while jobs fit
+            job = order[i]
+            h = best_fit(state.free, job.gpus)
+            if h is None:
+                break
+            state.free[h] -= job.gpus
+            starts.append(Start(job, h))
+            i += 1
+        if i < len(order):
+            head = order[i]
+            shadow, reserved_host, spare = reservation(head, now, _with(state, starts, now))
+            for job in order[i + 1:]:
+                ends_in_time = now + job.estimate <= shadow
+                h = best_fit(state.free, job.gpus, exclude=-1 if ends_in_time else reserved_host,
+                             limit=None if ends_in_time else spare)
+                if h is None:
+                    continue
+                if h == reserved_host and not ends_in_time:
+                    spare -= job.gpus
+                state.free[h] -= job.gpus
+                starts.append(Start(job, h))
+        for s in starts:
+            self.queue.remove(s.job)
+        return starts
+
+
+def _with(state: ClusterState, starts: list[Start], now: float) -> ClusterState:
+    """The state as it will be once `starts` run (their GPUs are already taken from `free`)."""
+    return ClusterState(free=list(state.free), running=[*state.running, *(Running(s.job, s.host, now) for s in starts)])
+
+
+def max_min_shares(capacity: float, demands: dict[str, float], weights: dict[str, float] | None = None) -> dict[str, float]:
+    """Weighted water-filling: each tenant gets its demand or its weighted share of what is left, whichever is less."""
+    weights = weights or {}
+    shares: dict[str, float] = {}
+    left = capacity
+    todo = sorted(demands, key=lambda k: demands[k] / weights.get(k, 1.0))
+    while todo:
+        total_w = sum(weights.get(k, 1.0) for k in todo)
+        tenant = todo.pop(0)
+        shares[tenant] = min(demands[tenant], left * weights.get(tenant, 1.0) / total_w)
+        left -= shares[tenant]
+    return shares
+
+
+class FairShare(EasyBackfill):
+    """Ours: fair share between tenants now, shortest-first within a tenant, aging, and EASY backfill.
+
+    Each pass computes every tenant's max-min fair share of the cluster for
+    what it has running and waiting (weighted), and serves tenants in order of
+    how far below that share they are; within a tenant, shorter work first,
+    with a job's rank falling while it waits (`aging`) so long jobs are not
+    starved. The first job that does not fit gets an EASY reservation; later
+    jobs start only if they cannot delay it. Priority comes before all of it.
+    """
+
+    name = "ours"
+
+    def __init__(self, weights: dict[str, float] | None = None, aging: float = 4 * 3600.0,
+                 half_life: float = 3600.0) -> None:
+        super().__init__()
+        self.weights = weights or {}
+        self.aging, self.half_life = aging, half_life
+        self.usage: dict[str, float] = {}  # GPU-seconds received, decayed: breaks ties between tenants
+        self.usage_at: float | None = None
+
+    def _charge(self, now: float, state: ClusterState) -> None:
+        dt = 0.0 if self.usage_at is None else max(now - self.usage_at, 0.0)
+        if dt:
+            decay = 0.5 ** (dt / self.half_life)
+            for t in self.usage:
+                self.usage[t] *= decay
+            for r in state.running:
+                self.usage[r.job.tenant] = self.usage.get(r.job.tenant, 0.0) + r.job.gpus * dt
+        self.usage_at = now
+
+    def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        self._charge(now, state)
+        return super().schedule(now, state)
+
+    def _within(self, job: Job, now: float) -> tuple[int, float]:
+        return (-job.priority, math.log10(1.0 + job.gpus * job.estimate / 60.0) - (now - job.submit) / self.aging)
+
+    def order(self, now: float, state: ClusterState | None = None) -> list[Job]:
+        """Jobs in the order they would be served, tenant by tenant, as shares fill."""
+        alloc: dict[str, float] = {}
+        for r in (state.running if state else []):
+            alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
+        queues: dict[str, list[Job]] = {}
+        for job in self.queue:
+            queues.setdefault(job.tenant, []).append(job)
+        for q in queues.values():
+            q.sort(key=lambda j: self._within(j, now))
+        demand = {t: alloc.get(t, 0.0) + sum(j.gpus for j in q) for t, q in queues.items()}
+        capacity = state.capacity if state else sum(demand.values()) or 1.0
+        fair = max_min_shares(capacity, demand, self.weights)
+        out: list[Job] = []
+        heads = {t: 0 for t in queues}
+        while heads:
+            tenant = min(heads, key=lambda t: (-queues[t][heads[t]].priority, alloc.get(t, 0.0) / max(fair.get(t, 0.0), 1e-9),
+                                                self.usage.get(t, 0.0) / self.weights.get(t, 1.0),
+                                                self._within(queues[t][heads[t]], now)))
+            job = queues[tenant][heads[tenant]]
+            out.append(job)
+            alloc[tenant] = alloc.get(tenant, 0.0) + job.gpus
+            heads[tenant] += 1
+            if heads[tenant] == len(queues[tenant]):
+                del heads[tenant]
+        return out

@@ -1,0 +1,110 @@
+"""The pure queue policies and the simulator, on workloads small enough to reason about by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from aisched_prefect.queue_policy import (
+    ClusterState,
+    EasyBackfill,
+    FairShare,
+    Fifo,
+    Job,
+    PlainDask,
+    Running,
+    max_min_shares,
+    reservation,
+)
+from aisched_prefect.simulator import jain, lower_bound, simulate
+
+
+def job(i, gpus, submit=0.0, duration=10.0, tenant="a"):
+    return Job(id=i, tenant=tenant, gpus=gpus, submit=submit, estimate=duration)
+
+
+def run(policy, jobs, hosts=1, gpus=4):
+    return simulate(jobs, {j.id: j.estimate for j in jobs}, policy, hosts, gpus)
+
+
+def starts_of(policy, jobs, hosts=1, gpus=4):
+    """Start time of each job id under `policy`."""
+    from aisched_prefect import simulator
+
+    seen = {}
+    original = simulator.Running
+
+    class Spy(original):
+        def __init__(self, job, host, start):
+            super().__init__(job, host, start)
+            seen[job.id] = start
+
+    simulator.Running = Spy
+    try:
+        run(policy, jobs, hosts, gpus)
+    finally:
+        simulator.Running = original
+    return seen
+
+
+def test_fifo_head_of_line_blocking_and_easy_backfill_around_it():
+    # 3 GPUs busy for 10 s; a 4-GPU job waits; a 1-GPU 5 s job behind it fits the idle GPU and ends in time.
+    jobs = [job(0, 3, duration=10), job(1, 4, submit=1), job(2, 1, submit=2, duration=5)]
+    assert starts_of(Fifo(), jobs)[2] == 20.0  # behind the head, though a GPU sat idle
+    easy = starts_of(EasyBackfill(), jobs)
+    assert easy[2] == 2.0 and easy[1] == 10.0  # backfilled, and the head was not delayed
+
+
+def test_backfill_never_delays_the_head_reservation():
+    # The 1-GPU job behind the head would run 50 s, past the head's reservation at t=10: it must wait.
+    jobs = [job(0, 3, duration=10), job(1, 4, submit=1), job(2, 1, submit=2, duration=50)]
+    easy = starts_of(EasyBackfill(), jobs)
+    assert easy[1] == 10.0 and easy[2] >= 20.0
+
+
+def test_plain_dask_model_runs_last_in_first_out_per_host():
+    jobs = [job(0, 4, duration=10), job(1, 4, submit=1), job(2, 4, submit=2)]
+    s = starts_of(PlainDask(1), jobs)
+    assert s[2] < s[1]  # the later job goes first
+
+
+def test_reservation_is_the_earliest_host_that_frees_enough():
+    state = ClusterState(free=[0, 1], running=[Running(job(0, 4, duration=30), 0, 0.0), Running(job(1, 3, duration=5), 1, 0.0)])
+    assert reservation(job(9, 4), 0.0, state) == (5.0, 1, 0)
+
+
+def test_fair_share_serves_the_tenant_below_its_share_first():
+    # Tenant a has filled the cluster's queue first; b arrives later with one job: b goes next.
+    jobs = [job(i, 4, submit=0.0, tenant="a") for i in range(4)] + [job(9, 4, submit=1.0, tenant="b")]
+    s = starts_of(FairShare(), jobs)
+    assert s[9] == 10.0 and sorted(t for i, t in s.items() if i != 9)[1] == 20.0
+
+
+def test_aging_bounds_how_long_a_big_job_waits_behind_a_stream_of_small_ones():
+    small = [job(i, 1, submit=float(i), duration=4.0) for i in range(1, 400)]
+    big = job(0, 4, submit=0.5, duration=4.0)
+    s = starts_of(FairShare(aging=20.0), [big, *small])
+    assert s[0] < 100  # without aging (and with shortest-first) it would wait for the whole stream
+
+
+def test_max_min_shares_water_fill():
+    assert max_min_shares(10, {"a": 2, "b": 10, "c": 10}) == {"a": 2, "b": 4, "c": 4}
+    assert max_min_shares(12, {"a": 12, "b": 12}, {"a": 2, "b": 1}) == {"a": 8, "b": 4}
+
+
+def test_lower_bound_and_metrics_are_consistent():
+    jobs = [job(i, 2, submit=float(i), duration=10.0, tenant="ab"[i % 2]) for i in range(20)]
+    durations = {j.id: j.estimate for j in jobs}
+    lb = lower_bound(jobs, durations, 8)
+    for policy in (PlainDask(2), Fifo(), EasyBackfill(), FairShare()):
+        out = simulate(jobs, durations, policy, 2, 4)
+        assert out.makespan >= lb - 1e-9 and 0 < out.utilization <= 1 and 0 < out.jain <= 1
+        assert out.mean_jct >= 10.0 and out.p95_jct >= out.mean_jct - 1e-9
+
+
+def test_jain_index():
+    assert jain([1, 1, 1]) == 1.0 and jain([1, 0]) == pytest.approx(0.5)
+
+
+def test_a_job_wider_than_every_host_is_reported():
+    with pytest.raises(RuntimeError, match="never ran"):
+        run(Fifo(), [job(0, 8)], hosts=2, gpus=4)
