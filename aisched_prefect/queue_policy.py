@@ -171,22 +171,38 @@ class EasyBackfill(Fifo):
 
     name = "easy-backfill"
 
+    def may_start(self, job: Job, now: float, state: ClusterState, alloc: dict[str, float]) -> bool:
+        """Whether `job` may start now at all (quotas); FIFO and EASY have none."""
+        return True
+
     def schedule(self, now: float, state: ClusterState) -> list[Start]:
         starts: list[Start] = []
-        order = list(self.order(now, state))
-        i = 0
-        while i < len(order):  # start from the front while jobs fit
-            job = order[i]
+        alloc: dict[str, float] = {}
+        for r in state.running:
+            alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
+        order = [j for j in self.order(now, state)]
+        head: Job | None = None
+        rest: list[Job] = []
+        for job in order:  # start from the front while jobs fit; the first that does not is the head
+            if head is not None:
+                rest.append(job)
+                continue
+            if not self.may_start(job, now, state, alloc):
+                continue
             h = best_fit(state.free, job.gpus)
             if h is None:
-                break
+                head = job
+                continue
             state.free[h] -= job.gpus
+            alloc[job.tenant] = alloc.get(job.tenant, 0.0) + job.gpus
             starts.append(Start(job, h))
-            i += 1
-        if i < len(order):
-            head = order[i]
+        if head is not None:
             shadow, reserved_host, spare = reservation(head, now, _with(state, starts, now))
-            for job in order[i + 1:]:
+            for job in rest:
+                if max(state.free) == 0:
+                    break
+                if not self.may_start(job, now, state, alloc):
+                    continue
                 ends_in_time = now + job.estimate <= shadow
                 h = best_fit(state.free, job.gpus, exclude=-1 if ends_in_time else reserved_host,
                              limit=None if ends_in_time else spare)
@@ -195,9 +211,10 @@ class EasyBackfill(Fifo):
                 if h == reserved_host and not ends_in_time:
                     spare -= job.gpus
                 state.free[h] -= job.gpus
+                alloc[job.tenant] = alloc.get(job.tenant, 0.0) + job.gpus
                 starts.append(Start(job, h))
-        for s in starts:
-            self.queue.remove(s.job)
+        started = {id(s.job) for s in starts}
+        self.queue = [j for j in self.queue if id(j) not in started]
         return starts
 
 
@@ -233,13 +250,35 @@ class FairShare(EasyBackfill):
 
     name = "ours"
 
-    def __init__(self, weights: dict[str, float] | None = None, aging: float = 4 * 3600.0,
-                 half_life: float = 3600.0) -> None:
+    def __init__(self, weights: dict[str, float] | None = None, aging: float = 2 * 3600.0,
+                 half_life: float = 3600.0, borrow_seconds: float | None = 3600.0, active_window: float = 3600.0) -> None:
         super().__init__()
         self.weights = weights or {}
         self.aging, self.half_life = aging, half_life
+        self.borrow_seconds, self.active_window = borrow_seconds, active_window
+        self.last_submit: dict[str, float] = {}
         self.usage: dict[str, float] = {}  # GPU-seconds received, decayed: breaks ties between tenants
         self.usage_at: float | None = None
+
+    def submit(self, job: Job, state: ClusterState) -> None:
+        super().submit(job, state)
+        self.last_submit[job.tenant] = job.submit
+
+    def quota(self, tenant: str, now: float, capacity: int) -> float:
+        """A tenant's nominal share: its weight's part of the cluster among tenants active lately."""
+        active = [t for t, at in self.last_submit.items() if now - at <= self.active_window] or [tenant]
+        total = sum(self.weights.get(t, 1.0) for t in set(active) | {tenant})
+        return capacity * self.weights.get(tenant, 1.0) / total
+
+    def may_start(self, job: Job, now: float, state: ClusterState, alloc: dict[str, float]) -> bool:
+        """Within its quota a tenant runs anything; beyond it (borrowing idle GPUs) only work that ends soon.
+
+        Borrowed GPUs come back by themselves within `borrow_seconds`, so a
+        tenant that arrives later reclaims its share without preemption.
+        """
+        if self.borrow_seconds is None or alloc.get(job.tenant, 0.0) + job.gpus <= self.quota(job.tenant, now, state.capacity):
+            return True
+        return job.estimate <= self.borrow_seconds
 
     def _charge(self, now: float, state: ClusterState) -> None:
         dt = 0.0 if self.usage_at is None else max(now - self.usage_at, 0.0)
