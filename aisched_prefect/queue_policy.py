@@ -19,7 +19,10 @@ Policies:
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -129,19 +132,23 @@ class Fifo(Policy):
     def submit(self, job: Job, state: ClusterState) -> None:
         self.queue.append(job)
 
-    def order(self, now: float, state: ClusterState | None = None) -> list[Job]:
+    def order(self, now: float, state: ClusterState | None = None) -> Iterable[Job]:
         """The jobs in the order they are served."""
         return self.queue
 
+    def remove(self, jobs: list[Job]) -> None:
+        started = {id(j) for j in jobs}
+        self.queue = [j for j in self.queue if id(j) not in started]
+
     def schedule(self, now: float, state: ClusterState) -> list[Start]:
         starts = []
-        for job in list(self.order(now, state)):
+        for job in self.order(now, state):
             h = best_fit(state.free, job.gpus)
             if h is None:
                 break
             state.free[h] -= job.gpus
-            self.queue.remove(job)
             starts.append(Start(job, h))
+        self.remove([s.job for s in starts])
         return starts
 
     def waiting(self) -> int:
@@ -167,9 +174,14 @@ def reservation(job: Job, now: float, state: ClusterState) -> tuple[float, int, 
 
 
 class EasyBackfill(Fifo):
-    """FIFO with EASY backfill: a job behind the head starts now only if it cannot delay the head's reservation."""
+    """FIFO with EASY backfill: a job behind the head starts now only if it cannot delay the head's reservation.
+
+    `depth` bounds how many jobs behind the head one pass looks at (Slurm's
+    bf_max_job_test), so a decision stays fast with a long queue.
+    """
 
     name = "easy-backfill"
+    depth: int | None = None
 
     def may_start(self, job: Job, now: float, state: ClusterState, alloc: dict[str, float]) -> bool:
         """Whether `job` may start now at all (quotas); FIFO and EASY have none."""
@@ -180,27 +192,25 @@ class EasyBackfill(Fifo):
         alloc: dict[str, float] = {}
         for r in state.running:
             alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
-        order = [j for j in self.order(now, state)]
+        order = iter(self.order(now, state))
         head: Job | None = None
-        rest: list[Job] = []
         for job in order:  # start from the front while jobs fit; the first that does not is the head
-            if head is not None:
-                rest.append(job)
-                continue
             if not self.may_start(job, now, state, alloc):
                 continue
             h = best_fit(state.free, job.gpus)
             if h is None:
                 head = job
-                continue
+                break
             state.free[h] -= job.gpus
             alloc[job.tenant] = alloc.get(job.tenant, 0.0) + job.gpus
             starts.append(Start(job, h))
         if head is not None:
             shadow, reserved_host, spare = reservation(head, now, _with(state, starts, now))
-            for job in rest:
-                if max(state.free) == 0:
+            for looked, job in enumerate(order):
+                if max(state.free) == 0 or (self.depth is not None and looked >= self.depth):
                     break
+                if job.gpus > max(state.free):
+                    continue
                 if not self.may_start(job, now, state, alloc):
                     continue
                 ends_in_time = now + job.estimate <= shadow
@@ -213,8 +223,7 @@ class EasyBackfill(Fifo):
                 state.free[h] -= job.gpus
                 alloc[job.tenant] = alloc.get(job.tenant, 0.0) + job.gpus
                 starts.append(Start(job, h))
-        started = {id(s.job) for s in starts}
-        self.queue = [j for j in self.queue if id(j) not in started]
+        self.remove([s.job for s in starts])
         return starts
 
 
@@ -238,17 +247,28 @@ def max_min_shares(capacity: float, demands: dict[str, float], weights: dict[str
 
 
 class FairShare(EasyBackfill):
-    """Ours: fair share between tenants now, shortest-first within a tenant, aging, and EASY backfill.
+    """Ours: fair share between tenants now, shortest-first within a tenant, aging, quotas, EASY backfill.
 
     Each pass computes every tenant's max-min fair share of the cluster for
-    what it has running and waiting (weighted), and serves tenants in order of
-    how far below that share they are; within a tenant, shorter work first,
-    with a job's rank falling while it waits (`aging`) so long jobs are not
-    starved. The first job that does not fit gets an EASY reservation; later
-    jobs start only if they cannot delay it. Priority comes before all of it.
+    what it has running and waiting (weighted) and serves tenants in order of
+    how far below that share they are (ties: less recent use first); within a
+    tenant, smaller work first, with a job's rank falling while it waits
+    (`aging`), so long jobs are not starved. A tenant may run anything within
+    its quota (its weight's part of the cluster among tenants active lately);
+    beyond it, it borrows idle GPUs only with work that ends within
+    `borrow_seconds`, so a tenant that arrives later gets its share back
+    without preemption. The first job that does not fit gets an EASY
+    reservation; later jobs start only if they cannot delay it. Priority
+    comes before all of it.
+
+    Per-tenant queues are kept sorted (a job's rank within its tenant does
+    not change with time: every job ages at the same rate) and the serving
+    order is produced lazily, so a decision costs what it looks at, not the
+    length of the queue.
     """
 
     name = "ours"
+    depth = 1000
 
     def __init__(self, weights: dict[str, float] | None = None, aging: float = 2 * 3600.0,
                  half_life: float = 3600.0, borrow_seconds: float | None = 3600.0, active_window: float = 3600.0) -> None:
@@ -257,25 +277,40 @@ class FairShare(EasyBackfill):
         self.aging, self.half_life = aging, half_life
         self.borrow_seconds, self.active_window = borrow_seconds, active_window
         self.last_submit: dict[str, float] = {}
+        self.queues: dict[str, list[tuple[tuple[int, float], int, Job]]] = {}
+        self.waiting_gpus: dict[str, float] = {}
+        self.count = 0
         self.usage: dict[str, float] = {}  # GPU-seconds received, decayed: breaks ties between tenants
         self.usage_at: float | None = None
 
+    def _key(self, job: Job) -> tuple[int, float]:
+        return (-job.priority, math.log10(1.0 + job.gpus * job.estimate / 60.0) + job.submit / self.aging)
+
     def submit(self, job: Job, state: ClusterState) -> None:
-        super().submit(job, state)
+        bisect.insort(self.queues.setdefault(job.tenant, []), (self._key(job), job.id, job))
+        self.waiting_gpus[job.tenant] = self.waiting_gpus.get(job.tenant, 0.0) + job.gpus
         self.last_submit[job.tenant] = job.submit
+        self.count += 1
+
+    def remove(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            q = self.queues[job.tenant]
+            i = bisect.bisect_left(q, (self._key(job), job.id))
+            assert q[i][2] is job
+            del q[i]
+            self.waiting_gpus[job.tenant] -= job.gpus
+            self.count -= 1
+
+    def waiting(self) -> int:
+        return self.count
 
     def quota(self, tenant: str, now: float, capacity: int) -> float:
         """A tenant's nominal share: its weight's part of the cluster among tenants active lately."""
-        active = [t for t, at in self.last_submit.items() if now - at <= self.active_window] or [tenant]
-        total = sum(self.weights.get(t, 1.0) for t in set(active) | {tenant})
-        return capacity * self.weights.get(tenant, 1.0) / total
+        active = {t for t, at in self.last_submit.items() if now - at <= self.active_window} | {tenant}
+        return capacity * self.weights.get(tenant, 1.0) / sum(self.weights.get(t, 1.0) for t in active)
 
     def may_start(self, job: Job, now: float, state: ClusterState, alloc: dict[str, float]) -> bool:
-        """Within its quota a tenant runs anything; beyond it (borrowing idle GPUs) only work that ends soon.
-
-        Borrowed GPUs come back by themselves within `borrow_seconds`, so a
-        tenant that arrives later reclaims its share without preemption.
-        """
+        """Within its quota a tenant runs anything; beyond it (borrowing idle GPUs) only work that ends soon."""
         if self.borrow_seconds is None or alloc.get(job.tenant, 0.0) + job.gpus <= self.quota(job.tenant, now, state.capacity):
             return True
         return job.estimate <= self.borrow_seconds
@@ -290,36 +325,31 @@ class FairShare(EasyBackfill):
                 self.usage[r.job.tenant] = self.usage.get(r.job.tenant, 0.0) + r.job.gpus * dt
         self.usage_at = now
 
-    def schedule(self, now: float, state: ClusterState) -> list[Start]:
-        self._charge(now, state)
-        return super().schedule(now, state)
-
-    def _within(self, job: Job, now: float) -> tuple[int, float]:
-        return (-job.priority, math.log10(1.0 + job.gpus * job.estimate / 60.0) - (now - job.submit) / self.aging)
-
-    def order(self, now: float, state: ClusterState | None = None) -> list[Job]:
-        """Jobs in the order they would be served, tenant by tenant, as shares fill."""
+    def order(self, now: float, state: ClusterState | None = None) -> Iterator[Job]:
+        """Jobs in the order they would be served, tenant by tenant as shares fill; produced lazily."""
         alloc: dict[str, float] = {}
         for r in (state.running if state else []):
             alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
-        queues: dict[str, list[Job]] = {}
-        for job in self.queue:
-            queues.setdefault(job.tenant, []).append(job)
-        for q in queues.values():
-            q.sort(key=lambda j: self._within(j, now))
-        demand = {t: alloc.get(t, 0.0) + sum(j.gpus for j in q) for t, q in queues.items()}
+        live = {t: q for t, q in self.queues.items() if q}
+        demand = {t: alloc.get(t, 0.0) + self.waiting_gpus[t] for t in live}
         capacity = state.capacity if state else sum(demand.values()) or 1.0
         fair = max_min_shares(capacity, demand, self.weights)
-        out: list[Job] = []
-        heads = {t: 0 for t in queues}
-        while heads:
-            tenant = min(heads, key=lambda t: (-queues[t][heads[t]].priority, alloc.get(t, 0.0) / max(fair.get(t, 0.0), 1e-9),
-                                                self.usage.get(t, 0.0) / self.weights.get(t, 1.0),
-                                                self._within(queues[t][heads[t]], now)))
-            job = queues[tenant][heads[tenant]]
-            out.append(job)
-            alloc[tenant] = alloc.get(tenant, 0.0) + job.gpus
-            heads[tenant] += 1
-            if heads[tenant] == len(queues[tenant]):
-                del heads[tenant]
-        return out
+
+        def entry(t: str, i: int) -> tuple:
+            key, jid, _ = live[t][i]
+            return (key[0], alloc.get(t, 0.0) / max(fair.get(t, 0.0), 1e-9),
+                    self.usage.get(t, 0.0) / self.weights.get(t, 1.0), key[1], jid, t, i)
+
+        heap = [entry(t, 0) for t in live]
+        heapq.heapify(heap)
+        while heap:
+            *_, t, i = heapq.heappop(heap)
+            job = live[t][i][2]
+            alloc[t] = alloc.get(t, 0.0) + job.gpus
+            if i + 1 < len(live[t]):
+                heapq.heappush(heap, entry(t, i + 1))
+            yield job
+
+    def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        self._charge(now, state)
+        return super().schedule(now, state)
