@@ -164,6 +164,11 @@ MIGRATIONS: dict[int, list[str]] = {
 }
 
 
+def rolling_seconds(period: str) -> float | None:
+    """The window of a rolling account ('rolling-7d' -> 7 days), or None for a calendar period."""
+    return float(period.removeprefix("rolling-").removesuffix("d")) * 86_400.0 if period.startswith("rolling-") else None
+
+
 def to_micros(amount: float) -> int:
     return int(round(amount * MICROS))
 
@@ -389,9 +394,7 @@ class _WriteBatch:
                 else:
                     self.conn.execute(accounts.insert().values(**values))
                 row = self.sql.account.run(self.cur, k_budget=budget, k_period=period).fetchone()
-            rolling = line.rolling_seconds if line is not None else None
-            if rolling is None and period.startswith("rolling-"):
-                rolling = float(period.removeprefix("rolling-").removesuffix("d")) * 86_400.0
+            rolling = line.rolling_seconds if line is not None and line.rolling_seconds else rolling_seconds(period)
             acct = _Account(budget, period, tuple(row), rolling)  # type: ignore[arg-type]
             if rolling is not None:  # what counts is what was charged inside the window
                 acct.posted = self.sql.rolling_posted.run(
@@ -855,12 +858,11 @@ class Ledger:
             rows = conn.execute(sa.select(accounts).order_by(accounts.c.budget, accounts.c.period)).all()
             out = []
             for r in rows:
-                posted = r.posted_micros
-                if r.period.startswith("rolling-"):
-                    since = now - float(r.period.removeprefix("rolling-").removesuffix("d")) * 86_400.0
-                    posted = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(holds.c.charged_micros), 0)).where(
-                        (holds.c.budget == r.budget) & (holds.c.period == r.period)
-                        & holds.c.status.in_(["posted", "expired"]) & (holds.c.settled_at >= since))).scalar()
+                posted, window = r.posted_micros, rolling_seconds(r.period)
+                if window is not None:  # the same sum the ledger's writes use
+                    q = self._sql.rolling_posted
+                    posted = conn.exec_driver_sql(q.sql, q.args({"k_budget": r.budget, "k_period": r.period,
+                                                                 "k_since": now - window})).scalar()
                 out.append({"budget": r.budget, "period": r.period, "unit": r.unit, "limit": from_micros(r.limit_micros),
                             "pending": from_micros(r.pending_micros), "posted": from_micros(posted),
                             "remaining": from_micros(r.limit_micros - r.pending_micros - posted),
