@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock
+from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock, ClusterBlock
 
 
 class RunnerConfig(BaseModel):
@@ -29,6 +29,7 @@ class RunnerConfig(BaseModel):
     hold_lease_seconds: float = Field(default=300.0, ge=1)
     top_up_fraction: float = Field(default=0.5, gt=0, le=10)
     approval_hook: Any = None  # a callable(ApprovalRequest), or a URL that gets each request as JSON
+    cluster: str | ClusterBlock | None = None
 
     @field_validator("approval_hook")
     @classmethod

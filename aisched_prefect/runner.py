@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from aisched_prefect.config import RunnerConfig
 from aisched_prefect.errors import ConfigurationError, NoAdmissionContext
 from aisched_prefect.session import RunnerSession
-from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock
+from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock, ClusterBlock
 
 
 class AISchedTaskRunner(ThreadPoolTaskRunner):
@@ -42,6 +42,8 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
             est_seconds more; if refused, it is stopped when the cover runs out.
         approval_hook: called with each ApprovalRequest when a person is asked (a callable), or
             sent it as JSON (an http(s) URL): for teams that approve from chat.
+        cluster: name of a ClusterBlock (or the block): per-model concurrency and rate limits for
+            kind="model-call" tasks, shared by every flow run through Prefect's global concurrency limits.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         hold_lease_seconds: float = 300.0,
         top_up_fraction: float = 0.5,
         approval_hook: Any = None,
+        cluster: str | ClusterBlock | None = None,
     ) -> None:
         try:
             self._config = RunnerConfig(
@@ -68,6 +71,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
                 approver=approver, address=address, declared=declared, ledger_url=ledger_url,
                 max_workers=max_workers, ticket_ttl_seconds=ticket_ttl_seconds, tenant=tenant,
                 hold_lease_seconds=hold_lease_seconds, top_up_fraction=top_up_fraction, approval_hook=approval_hook,
+                cluster=cluster,
             )
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())

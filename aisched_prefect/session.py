@@ -22,7 +22,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -46,7 +47,9 @@ from blocks import (
     AuthorityBlock,
     BudgetBlock,
     ChainBroken,
+    ClusterBlock,
     Grant,
+    ModelLimit,
     RunFacts,
     UnpriceableRequest,
     Usage,
@@ -135,6 +138,8 @@ class RunnerSession:
         self._authority_read_at = time.monotonic()
         self.budget: BudgetBlock = _load(config.budget, BudgetBlock, "budget")
         self.policy: ApprovalPolicyBlock | None = _load(config.approval_policy, ApprovalPolicyBlock, "approval_policy")
+        self.cluster_settings: ClusterBlock | None = _load(config.cluster, ClusterBlock, "cluster")
+        self._declare_model_limits()
         self.authority_name = config.authority if isinstance(config.authority, str) else "inline"
         self.budget_name = config.budget if isinstance(config.budget, str) else "inline"
         self.approver: Approver = (
@@ -374,7 +379,58 @@ class RunnerSession:
             "budget": self.budget_name, "policy": self.config.approval_policy if isinstance(self.config.approval_policy, str) else None,
         }
         admission = self._admit(request, payload, ids, (flow_name, flow_version), (args, kwargs))
-        return self._execute(fn, request, args, kwargs, admission, payload, ids, task_name)
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(self._model_slot(request, payload))
+            except BaseException as exc:  # never started: release what admission held
+                self._settle(admission.holds, None, kind="settlement",
+                             payload={**payload, "outcome": "not-started", "error": f"{type(exc).__name__}: {exc}"}, ids=ids)
+                raise
+            return self._execute(fn, request, args, kwargs, admission, payload, ids, task_name)
+
+    # -- model-call limits ----------------------------------------------------------
+    def _model_limit(self, request: AIRequest) -> ModelLimit | None:
+        if request.kind != "model-call" or self.cluster_settings is None:
+            return None
+        return self.cluster_settings.limit_for(request.model)
+
+    def _declare_model_limits(self) -> None:
+        """Create or update one Prefect global concurrency limit per model limit (shared by all flow runs)."""
+        if self.cluster_settings is None or not self.cluster_settings.model_limits:
+            return
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            for lim in self.cluster_settings.model_limits:
+                if lim.concurrency is not None:
+                    client.upsert_global_concurrency_limit_by_name(f"{lim.slug}-concurrency", lim.concurrency)
+                if lim.per_minute is not None:  # one slot, refilled per_minute/60 times a second: evenly spaced
+                    client.upsert_global_concurrency_limit_by_name(f"{lim.slug}-rate", 1, lim.per_minute / 60.0)
+
+    @contextmanager
+    def _model_slot(self, request: AIRequest, payload: dict[str, Any]) -> Iterator[None]:
+        """Wait for the model's rate and concurrency limits (admitted runs only), hold the slot while it runs.
+
+        Prefect's global concurrency limits keep the count on the server, so
+        every flow run and host shares it, and a dead holder's slot comes back
+        when its lease runs out.
+        """
+        lim = self._model_limit(request)
+        if lim is None:
+            yield
+            return
+        from prefect.concurrency.sync import concurrency, rate_limit
+
+        t0 = time.monotonic()
+        if lim.per_minute is not None:
+            rate_limit(f"{lim.slug}-rate", occupy=1, strict=True)
+        if lim.concurrency is None:
+            payload["model_limit"] = {"limit": lim.model, "waited": time.monotonic() - t0}
+            yield
+            return
+        with concurrency(f"{lim.slug}-concurrency", occupy=1, strict=True):
+            payload["model_limit"] = {"limit": lim.model, "waited": time.monotonic() - t0}
+            yield
 
     def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any],
                flow: tuple[str | None, str | None] = (None, None),

@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aisched_prefect.queue_policy import EasyBackfill, FairShare, Fifo, Job, PlainDask  # noqa: E402
 from aisched_prefect.simulator import Outcome, simulate  # noqa: E402
 
-TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "philly.csv"
+TRACE = next((p for p in (Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "philly.csv",
+                          Path.cwd().parent / "shared" / "data" / "philly.csv") if p.exists()),
+             Path("../shared/data/philly.csv"))
 
 
 def _epoch(text: str) -> float:
@@ -84,6 +86,8 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per policy instead of the table")
     p.add_argument("--plot", type=Path, default=None, help="write GPU utilisation and queue length over time (PNG)")
     args = p.parse_args()
+    if not args.trace.exists():
+        sys.exit(f"no trace at {args.trace}: pass --trace PATH to philly.csv")
 
     jobs, durations, dropped = load(args.trace, args.start, args.end, args.gpus, args.max_duration, args.long, args.tenants)
     if not jobs:

@@ -11,6 +11,7 @@ from blocks.budget import (
     Usage,
     period_key,
 )
+from blocks.cluster import ClusterBlock, ModelLimit
 from blocks.delegation import ChainBroken, DelegationRefused, delegate, resolve_chain, violations
 from blocks.facts import RunFacts
 
@@ -24,9 +25,11 @@ __all__ = [
     "BudgetLimit",
     "BudgetLine",
     "ChainBroken",
+    "ClusterBlock",
     "CostEstimate",
     "DelegationRefused",
     "Grant",
+    "ModelLimit",
     "RunFacts",
     "UnpriceableRequest",
     "Usage",

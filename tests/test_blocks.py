@@ -15,6 +15,7 @@ from blocks import (
     ApprovalRule,
     AuthorityBlock,
     BudgetBlock,
+    ClusterBlock,
     Grant,
     RunFacts,
     UnpriceableRequest,
@@ -46,6 +47,12 @@ class TestApprovalPolicyBlock(_Conformance):
         return ApprovalPolicyBlock
 
 
+class TestClusterBlock(_Conformance):
+    @pytest.fixture
+    def block(self):
+        return ClusterBlock
+
+
 @pytest.mark.usefixtures("prefect_api")
 def test_blocks_save_and_load():
     AuthorityBlock(grants=[Grant(id="g", principal="team-a/*", max_gpus=2)]).save("t-auth", overwrite=True)
@@ -64,7 +71,7 @@ def test_prefect_block_register_module():
     out = subprocess.run([sys.executable, "-m", "prefect", "block", "register", "-m", "blocks"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "Successfully registered 3 blocks" in out.stdout
+    assert "Successfully registered 4 blocks" in out.stdout
 
 
 FACTS = RunFacts(principal="team-a/nightly", kind="training", gpus=2, gpu_types=("H100",), est_seconds=3600, est_cost=8.0)
