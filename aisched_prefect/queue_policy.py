@@ -71,7 +71,7 @@ def best_fit(free: list[int], gpus: int, exclude: int = -1, limit: int | None = 
     """The host with the fewest free GPUs that still holds `gpus` (keeps big holes for big jobs)."""
     best, best_free = None, math.inf
     for h, f in enumerate(free):
-        room = f if h != exclude else (limit if limit is not None else f)
+        room = min(f, limit) if h == exclude and limit is not None else f  # the reserved host: only its spare
         if room >= gpus and f < best_free:
             best, best_free = h, f
     return best

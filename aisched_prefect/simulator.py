@@ -99,6 +99,8 @@ def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts
         t_dec = time.perf_counter()
         starts = policy.schedule(now, state)
         decisions.append(time.perf_counter() - t_dec)
+        if min(state.free) < 0:
+            raise RuntimeError(f"{policy.name} placed more GPUs on a host than it has: free {state.free} at t={now - t0:.0f}s")
         for s in starts:
             run = Running(s.job, s.host, now)
             state.running.append(run)

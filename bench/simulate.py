@@ -120,7 +120,7 @@ def plot(outcomes: list[Outcome], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        sys.exit("--plot needs matplotlib: .venv/bin/pip install matplotlib")
+        sys.exit("--plot needs matplotlib: .venv/bin/pip install -e '.[bench]'")
     fig, (util, queue) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     for o in outcomes:
         xs = [t / 3600 for t, _, _ in o.timeline]

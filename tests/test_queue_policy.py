@@ -108,3 +108,14 @@ def test_jain_index():
 def test_a_job_wider_than_every_host_is_reported():
     with pytest.raises(RuntimeError, match="never ran"):
         run(Fifo(), [job(0, 8)], hosts=2, gpus=4)
+
+
+def test_no_policy_overcommits_a_host_on_a_random_busy_workload():
+    import random
+
+    rng = random.Random(7)
+    jobs = [Job(id=i, tenant=f"t{rng.randrange(4)}", gpus=rng.choice([1, 1, 2, 4, 8]), submit=rng.uniform(0, 5000),
+                estimate=rng.uniform(10, 3000)) for i in range(400)]
+    for policy in (PlainDask(4), Fifo(), EasyBackfill(), FairShare()):
+        out = simulate(jobs, {j.id: j.estimate for j in jobs}, policy, 4, 8)  # raises on any over-commit
+        assert max(busy for _, busy, _ in out.timeline) <= 32
