@@ -30,6 +30,7 @@ class RunnerConfig(BaseModel):
     top_up_fraction: float = Field(default=0.5, gt=0, le=10)
     approval_hook: Any = None  # a callable(ApprovalRequest), or a URL that gets each request as JSON
     cluster: str | ClusterBlock | None = None
+    queue: bool = False
 
     @field_validator("approval_hook")
     @classmethod

@@ -44,6 +44,8 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
             sent it as JSON (an http(s) URL): for teams that approve from chat.
         cluster: name of a ClusterBlock (or the block): per-model concurrency and rate limits for
             kind="model-call" tasks, shared by every flow run through Prefect's global concurrency limits.
+        queue: wait in the cluster's one queue (a scheduler plugin, `dask_gpu.queue_plugin`) with every
+            other flow run, and go to Dask only when the fair-share policy starts the run (whole GPUs).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         top_up_fraction: float = 0.5,
         approval_hook: Any = None,
         cluster: str | ClusterBlock | None = None,
+        queue: bool = False,
     ) -> None:
         try:
             self._config = RunnerConfig(
@@ -71,7 +74,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
                 approver=approver, address=address, declared=declared, ledger_url=ledger_url,
                 max_workers=max_workers, ticket_ttl_seconds=ticket_ttl_seconds, tenant=tenant,
                 hold_lease_seconds=hold_lease_seconds, top_up_fraction=top_up_fraction, approval_hook=approval_hook,
-                cluster=cluster,
+                cluster=cluster, queue=queue,
             )
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())

@@ -64,6 +64,7 @@ from dask_gpu import (
     WorkerInventory,
     cluster_inventories,
     eligible_workers,
+    install_queue,
     request_stop,
     running_for,
     worker_restriction,
@@ -109,6 +110,8 @@ class _Running:
     started_at: float | None = None  # monotonic, when its worker gave it devices (asked only once it matters)
     top_up_refused: str | None = None
     stop_reason: str | None = None
+    queue_id: int | None = None  # its place in the cluster's queue (runner queue=True), until it is placed
+    placed: bool = False
     asked: set[float] = field(default_factory=set)
 
 
@@ -158,6 +161,8 @@ class RunnerSession:
                 self.cluster = LocalGPUCluster(declared=config.declared)
                 self.client = Client(self.cluster, set_as_default=False)
             self._refresh_inventories()
+            if config.queue:
+                install_queue(self.client)
             self.signer = TicketSigner()
             self.signer.register(self.client)
         except BaseException:
@@ -210,10 +215,15 @@ class RunnerSession:
                 logger.exception("watcher failed; retrying")
 
     def _stop(self, keys: list[str], reason: str) -> None:
+        queued = []
         with self._running_lock:
             for k in keys:
                 if k in self._running:
                     self._running[k].stop_reason = reason
+                    if self._running[k].queue_id is not None and not self._running[k].placed:
+                        queued.append(self._running[k].queue_id)
+        for queue_id in queued:  # still in the cluster's queue: take it out, its wait returns no worker
+            self.client.sync(self.client.scheduler.gpu_queue_leave, id=queue_id)
         request_stop(self.client, keys)
 
     def _stop_revoked(self, running: dict[str, _Running]) -> None:
@@ -618,6 +628,18 @@ class RunnerSession:
         actual = facts.model_copy(update={"gpu_types": (gpu_type,)}) if gpu_type else facts
         return {line.budget: line.amount for line in self.budget.lines(self.budget_name, actual, used)}
 
+    def _wait_in_queue(self, state: _Running, request: AIRequest, admission: Admission) -> str | None:
+        """Wait in the cluster's one queue (a scheduler plugin) for the worker this run may start on now."""
+        sched = self.client.scheduler
+        state.queue_id = self.client.sync(sched.gpu_queue_enter, tenant=self.tenant, gpus=int(request.gpus),
+                                          estimate=request.est_seconds, priority=request.priority,
+                                          workers=admission.workers, client=self.client.id)
+        worker = self.client.sync(sched.gpu_queue_wait, id=state.queue_id)
+        state.placed = worker is not None
+        if worker is None:
+            state.queue_id = None
+        return None if state.stop_reason else worker
+
     def _execute(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
                  admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:
         submitted = time.monotonic()
@@ -626,11 +648,21 @@ class RunnerSession:
                          holds=list(admission.holds), covered_seconds=request.est_seconds, submitted=submitted)
         with self._running_lock:
             self._running[key] = state
+        workers = worker_restriction(request.gpu_request(), self.inventories, admission.workers)
+        if self.config.queue and request.gpus >= 1:
+            worker = self._wait_in_queue(state, request, admission)
+            if worker is None:
+                with self._running_lock:
+                    self._running.pop(key, None)
+                self._settle(state.holds, None, kind="settlement", payload={**payload, "outcome": "revoked-while-queued"}, ids=ids)
+                raise AdmissionDenied("revocation", f"a grant in the chain {admission.chain} was revoked while the run "
+                                      "waited in the cluster's queue", "ask for a new grant")
+            workers = [worker]
         future: Future = self.client.submit(
             run_admitted, admission.ticket, request, fn, args, kwargs,
             key=key,
             resources=request.gpu_request().resources() or None,
-            workers=worker_restriction(request.gpu_request(), self.inventories, admission.workers),
+            workers=workers,
             allow_other_workers=False, pure=False,
         )
         try:
@@ -657,6 +689,8 @@ class RunnerSession:
             future.release()
             with self._running_lock:
                 self._running.pop(key, None)
+            if state.queue_id is not None:  # its GPUs go back to the cluster's queue
+                self.client.sync(self.client.scheduler.gpu_queue_leave, id=state.queue_id)
         run = out.run
         stopped = state.stop_reason if not out.ok and isinstance(out.error, StopRequested) else None
         if out.logs:

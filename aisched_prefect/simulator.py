@@ -11,7 +11,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from aisched_prefect.queue_policy import ClusterState, Job, Policy, Running, max_min_shares
+from dask_gpu.queue_policy import ClusterState, Job, Policy, Running, max_min_shares
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aisched_prefect.queue_policy import EasyBackfill, FairShare, Fifo, Job, PlainDask  # noqa: E402
+from dask_gpu.queue_policy import EasyBackfill, FairShare, Fifo, Job, PlainDask  # noqa: E402
 from aisched_prefect.simulator import Outcome, simulate  # noqa: E402
 
 TRACE = next((p for p in (Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "philly.csv",

@@ -1,5 +1,6 @@
 """GPU-aware Dask: inventories, GPU workers, device assignment. No Prefect needed."""
 
+from dask_gpu.queue_plugin import GPUQueuePlugin, install_queue
 from dask_gpu.cluster import LocalGPUCluster, cluster_inventories, cluster_states, request_stop, running_for
 from dask_gpu.errors import (
     DaskGPUError,
@@ -33,6 +34,7 @@ from dask_gpu.live import DeviceState
 from dask_gpu.request import GPURequest, eligible_workers, worker_restriction
 
 __all__ = [
+    "GPUQueuePlugin",
     "DECLARED_ENV",
     "DaskGPUError",
     "DeviceRun",
@@ -58,6 +60,7 @@ __all__ = [
     "nvml_inventory",
     "parse_declared",
     "run_subprocess",
+    "install_queue",
     "request_stop",
     "running_for",
     "run_with_devices",

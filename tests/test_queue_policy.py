@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aisched_prefect.queue_policy import (
+from dask_gpu.queue_policy import (
     ClusterState,
     EasyBackfill,
     FairShare,

@@ -2,8 +2,9 @@
 
 No clock, no I/O, no Prefect, no Dask: the same objects are driven by the
 discrete-event simulator (`aisched_prefect.simulator`, `bench/simulate.py`)
-and are meant to be driven by the live runner. A host is a Dask worker; a job
-needs `gpus` devices on one host.
+and by the scheduler plugin of the live queue (`dask_gpu.queue_plugin`). A
+host is a Dask worker; a job needs `gpus` devices on one host, among the
+hosts it allows (GPU type and memory rule some out).
 
 Policies:
 - `PlainDask`: a model of plain Dask, for comparison: each job goes to a host
@@ -36,6 +37,7 @@ class Job:
     submit: float
     estimate: float
     priority: int = 0
+    hosts: frozenset[int] | None = None  # the hosts it may run on; None: any
 
 
 @dataclass(slots=True)
@@ -67,10 +69,13 @@ class Start:
     host: int
 
 
-def best_fit(free: list[int], gpus: int, exclude: int = -1, limit: int | None = None) -> int | None:
+def best_fit(free: list[int], gpus: int, exclude: int = -1, limit: int | None = None,
+             allowed: frozenset[int] | None = None) -> int | None:
     """The host with the fewest free GPUs that still holds `gpus` (keeps big holes for big jobs)."""
     best, best_free = None, math.inf
     for h, f in enumerate(free):
+        if allowed is not None and h not in allowed:
+            continue
         room = min(f, limit) if h == exclude and limit is not None else f  # the reserved host: only its spare
         if room >= gpus and f < best_free:
             best, best_free = h, f
@@ -143,7 +148,7 @@ class Fifo(Policy):
     def schedule(self, now: float, state: ClusterState) -> list[Start]:
         starts = []
         for job in self.order(now, state):
-            h = best_fit(state.free, job.gpus)
+            h = best_fit(state.free, job.gpus, allowed=job.hosts)
             if h is None:
                 break
             state.free[h] -= job.gpus
@@ -162,6 +167,8 @@ def reservation(job: Job, now: float, state: ClusterState) -> tuple[float, int, 
     for r in state.running:
         ends.setdefault(r.host, []).append(r)
     for h, free in enumerate(state.free):
+        if job.hosts is not None and h not in job.hosts:
+            continue
         t = now
         for r in sorted(ends.get(h, []), key=lambda r: r.expected_end):
             if free >= job.gpus:
@@ -197,7 +204,7 @@ class EasyBackfill(Fifo):
         for job in order:  # start from the front while jobs fit; the first that does not is the head
             if not self.may_start(job, now, state, alloc):
                 continue
-            h = best_fit(state.free, job.gpus)
+            h = best_fit(state.free, job.gpus, allowed=job.hosts)
             if h is None:
                 head = job
                 break
@@ -215,7 +222,7 @@ class EasyBackfill(Fifo):
                     continue
                 ends_in_time = now + job.estimate <= shadow
                 h = best_fit(state.free, job.gpus, exclude=-1 if ends_in_time else reserved_host,
-                             limit=None if ends_in_time else spare)
+                             limit=None if ends_in_time else spare, allowed=job.hosts)
                 if h is None:
                     continue
                 if h == reserved_host and not ends_in_time:

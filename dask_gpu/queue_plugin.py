@@ -1,0 +1,170 @@
+"""One queue for every client of a Dask cluster: a scheduler plugin that releases GPU work only when it can start.
+
+Why in the scheduler: it is the one process every flow run on the cluster
+already talks to, it knows which workers exist and what they hold, and it
+outlives any flow process: when a client goes away, its queued and running
+entries are dropped and the GPUs it held are offered to the others at once.
+(The ledger would survive a scheduler restart too, but every decision would
+cost a database round trip and polling; Prefect's concurrency limits have no
+order, priority or fairness.)
+
+A client asks once per run (`enter`): the call returns the worker the run
+must go to, when the policy starts it. The client submits it there with
+`workers=[...]`, so Dask never holds a GPU task that waits behind another, and
+tells the plugin when it ended (`leave`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+from distributed import Client
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_gpu.queue_policy import ClusterState, FairShare, Job, Policy, Running
+
+PLUGIN_NAME = "dask-gpu-queue"
+
+
+class GPUQueuePlugin(SchedulerPlugin):
+    """Holds the cluster's queue of GPU runs and starts them with a pure policy (FairShare by default)."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self, policy: Policy | None = None) -> None:
+        self.policy = policy or FairShare()
+        self.addresses: list[str] = []  # host index -> worker address (append-only; a gone worker keeps its index)
+        self.state = ClusterState(free=[])
+        self.waiters: dict[int, tuple[asyncio.Future, str, Job]] = {}  # job id -> (answer, client, job)
+        self.running: dict[int, tuple[Running, str]] = {}
+        self.ids = itertools.count(1)
+        self.answers: dict[int, asyncio.Future] = {}
+        self.scheduler: Any = None
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers["gpu_queue_enter"] = self.enter
+        scheduler.handlers["gpu_queue_wait"] = self.wait
+        scheduler.handlers["gpu_queue_leave"] = self.leave
+        scheduler.handlers["gpu_queue_status"] = self.status
+        for address in list(scheduler.workers):
+            self.add_worker(scheduler, address)
+
+    # -- workers ------------------------------------------------------------------------
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        gpus = int(scheduler.workers[worker].resources.get("GPU", 0)) if worker in scheduler.workers else 0
+        if worker in self.addresses:
+            h = self.addresses.index(worker)
+            self.state.free[h] = gpus - sum(r.job.gpus for r, _ in self.running.values() if r.host == h)
+        else:
+            self.addresses.append(worker)
+            self.state.free.append(gpus)
+        self._dispatch()
+
+    def _address(self, worker: str) -> str | None:
+        """A worker's address from its address or its name (inventories are keyed by name)."""
+        if worker in self.scheduler.workers:
+            return worker
+        return next((a for a, ws in self.scheduler.workers.items() if ws.name == worker), None)
+
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        if worker in self.addresses:
+            h = self.addresses.index(worker)
+            self.state.free[h] = 0
+            for jid, (run, _) in list(self.running.items()):
+                if run.host == h:  # Dask reschedules or fails it; its place here is gone either way
+                    self._drop_running(jid, free=False)
+
+    # -- clients ------------------------------------------------------------------------
+    def remove_client(self, scheduler: Any, client: str) -> None:
+        """A client went away (its flow process died): forget what it queued and free what it ran."""
+        mine = [jid for jid, (_, c, _) in self.waiters.items() if c == client]
+        if mine:
+            self.policy.remove([self.waiters[j][2] for j in mine])
+            for jid in mine:
+                fut, _, _ = self.waiters.pop(jid)
+                if not fut.done():
+                    fut.set_result(None)
+        for jid, (_, c) in list(self.running.items()):
+            if c == client:
+                self._drop_running(jid)
+        self._dispatch()
+
+    # -- handlers -----------------------------------------------------------------------
+    def enter(self, tenant: str, gpus: int, estimate: float, priority: int = 0,
+              workers: list[str] | None = None, client: str = "") -> int:
+        """Queue one run; returns its id (then `wait` for the worker it must run on)."""
+        addresses = [a for a in (self._address(w) for w in workers or []) if a is not None]
+        for a in addresses:
+            if a not in self.addresses:
+                self.add_worker(self.scheduler, a)
+        hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
+        job = Job(id=next(self.ids), tenant=tenant, gpus=gpus, submit=time.time(), estimate=estimate,
+                  priority=priority, hosts=hosts)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.waiters[job.id] = (fut, client, job)
+        self.policy.submit(job, self.state)
+        self.answers[job.id] = fut
+        self._dispatch()
+        return job.id
+
+    async def wait(self, id: int) -> str | None:
+        """The worker run `id` must go to, once the policy starts it; None if it left the queue first."""
+        fut = self.answers.get(id)
+        if fut is None:
+            return None
+        try:
+            return await fut
+        finally:
+            self.answers.pop(id, None)
+
+    def leave(self, id: int) -> None:
+        """A run ended (or was abandoned while queued): free its GPUs, or take it out of the queue."""
+        if id in self.waiters:
+            fut, _, job = self.waiters.pop(id)
+            self.policy.remove([job])
+            if not fut.done():
+                fut.set_result(None)
+        elif id in self.running:
+            self._drop_running(id)
+        self._dispatch()
+
+    def status(self) -> dict[str, Any]:
+        return {"queued": self.policy.waiting(), "running": len(self.running),
+                "free": dict(zip(self.addresses, self.state.free))}
+
+    # -- policy -------------------------------------------------------------------------
+    def _drop_running(self, jid: int, free: bool = True) -> None:
+        run, _ = self.running.pop(jid)
+        self.state.running.remove(run)
+        if free:
+            self.state.free[run.host] += run.job.gpus
+
+    def _dispatch(self) -> None:
+        if not self.waiters:
+            return
+        now = time.time()
+        for start in self.policy.schedule(now, self.state):
+            fut, client, job = self.waiters.pop(start.job.id)
+            run = Running(start.job, start.host, now)
+            self.state.running.append(run)
+            self.running[job.id] = (run, client)
+            if not fut.done():
+                fut.set_result(self.addresses[start.host])
+
+
+async def _install(dask_scheduler: Any, policy: Policy | None) -> bool:
+    if PLUGIN_NAME in dask_scheduler.plugins:
+        return False
+    plugin = GPUQueuePlugin(policy)
+    dask_scheduler.add_plugin(plugin, name=PLUGIN_NAME)  # no await before this line: two installs cannot race
+    await plugin.start(dask_scheduler)
+    return True
+
+
+def install_queue(client: Client, policy: Policy | None = None) -> bool:
+    """Put the queue on the cluster's scheduler once; later calls (other flow runs) keep the one there."""
+    return client.run_on_scheduler(_install, policy=policy)

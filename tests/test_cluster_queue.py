@@ -1,0 +1,77 @@
+"""The cluster's one queue (runner queue=True): runs of all flow runs wait in a scheduler plugin, fairly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from prefect import flow
+
+from aisched_prefect import Ledger, ai_task
+from tests.helpers import authority, runner
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+@ai_task(gpus=2, gpu_type="H100", kind="training", est_seconds=2)
+def train(i):
+    start = time.time()
+    time.sleep(0.6)
+    return start
+
+
+def status(client):
+    return client.sync(client.scheduler.gpu_queue_status)
+
+
+def test_runs_of_two_tenants_share_the_queue_fairly(gpu_cluster, dask_client, sqlite_url):
+    """Tenant a fills the queue first; tenant b's runs start before a's backlog is done (FIFO would not)."""
+    auth = authority(principal="*")
+    results: dict[str, list[float]] = {}
+
+    def tenant(name: str, n: int, delay: float) -> None:
+        time.sleep(delay)
+
+        @flow(name=f"queue-{name}", task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, principal=f"{name}/jobs",
+                                                       authority=auth, queue=True, max_workers=8))
+        def jobs():
+            return [f.result() for f in train.map(range(n))]
+
+        results[name] = jobs()
+
+    threads = [threading.Thread(target=tenant, args=("a", 8, 0.0)), threading.Thread(target=tenant, args=("b", 2, 1.5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert len(results["a"]) == 8 and len(results["b"]) == 2
+    assert min(results["b"]) < sorted(results["a"])[-2]  # b did not wait behind a's whole backlog
+    after = status(dask_client)
+    assert after["queued"] == 0 and after["running"] == 0  # every run left the queue and gave its GPUs back
+    assert sum(r.kind == "settlement" for r in Ledger(sqlite_url).records()) == 10
+
+
+def test_never_more_gpu_runs_on_dask_than_fit(gpu_cluster, dask_client, sqlite_url):
+    """Runs are released to Dask only when they can start: Dask never queues a GPU run behind another."""
+    seen = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            processing = dask_client.processing()
+            seen.append(sum(1 for tasks in processing.values() for k in tasks if "train" in str(k)))
+            time.sleep(0.05)
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, queue=True, max_workers=8))
+    def jobs():
+        return [f.result() for f in train.map(range(6))]
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert len(jobs()) == 6
+    finally:
+        stop.set()
+        watcher.join()
+    assert max(seen) <= 2  # two H100 hosts of 2 GPUs: two 2-GPU runs at a time, none waiting inside Dask
