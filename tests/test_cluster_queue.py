@@ -75,3 +75,61 @@ def test_never_more_gpu_runs_on_dask_than_fit(gpu_cluster, dask_client, sqlite_u
         stop.set()
         watcher.join()
     assert max(seen) <= 2  # two H100 hosts of 2 GPUs: two 2-GPU runs at a time, none waiting inside Dask
+
+
+def test_a_dead_flow_process_leaves_nothing_in_the_queue(gpu_cluster, dask_client, sqlite_url, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.settings import PREFECT_API_URL
+
+    script = tmp_path / "victim.py"
+    script.write_text(f'''
+import time
+from prefect import flow
+from aisched_prefect import ai_task
+from tests.helpers import runner
+
+@ai_task(gpus=2, gpu_type="H100", kind="training", est_seconds=60)
+def hog(i):
+    time.sleep(2)
+
+@flow(task_runner=runner({gpu_cluster.scheduler_address!r}, {sqlite_url!r}, queue=True, max_workers=8))
+def victim():
+    [f.result() for f in hog.map(range(6))]
+
+victim()
+''')
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": str(Path(__file__).parent.parent)}
+    from dask_gpu import install_queue
+
+    install_queue(dask_client)  # (idempotent) so this test can read the queue before the victim installs it
+    proc = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            s = status(dask_client)
+            if s["running"] >= 1 and s["queued"] >= 1:
+                break
+            time.sleep(0.1)
+        assert s["running"] >= 1 and s["queued"] >= 1, s
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    for _ in range(100):  # the scheduler notices the client is gone
+        s = status(dask_client)
+        if s["queued"] == 0 and s["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert s["queued"] == 0 and s["running"] == 0, s
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, queue=True))
+    def survivor():
+        return [f.result() for f in train.map(range(2))]
+
+    assert len(survivor()) == 2
