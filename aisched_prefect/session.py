@@ -46,6 +46,7 @@ from blocks import (
     ApprovalPolicyBlock,
     AuthorityBlock,
     BudgetBlock,
+    BudgetLine,
     ChainBroken,
     ClusterBlock,
     Grant,
@@ -93,6 +94,7 @@ class Admission(BaseModel):
     chain: list[str]
     expires_at: float | None  # the earliest expiry in the chain: expiry stops the run like revocation
     facts: RunFacts
+    shares: dict[str, float] = {}  # grant id -> budget_share, for grants of the chain that cap their share
 
 
 @dataclass
@@ -284,7 +286,7 @@ class RunnerSession:
                        "cannot wait for one; declare est_seconds that covers the run so it is approved at admission")
         if why is None:
             try:
-                held, _ = self.ledger.reserve(self.budget.lines(self.budget_name, adm.facts, usage),
+                held, _ = self.ledger.reserve(self._lines(adm.facts, usage, adm.shares),
                                               kind="top-up", payload=payload, **r.ids)
             except BudgetExceeded as exc:
                 why = f"budget: {exc}"
@@ -490,7 +492,8 @@ class RunnerSession:
                 request=payload["request"], est_cost=estimate.amount, currency=self.budget.currency, rule=outcome.rule)
             payload["approvals_required"] = outcome.approvals_required
         usage = Usage(money=estimate.amount, gpu_hours=request.gpus * request.est_seconds / 3600, tokens=request.est_tokens)
-        lines = self.budget.lines(self.budget_name, facts, usage)
+        shares = {g.id: g.budget_share for g in chain if g.budget_share < 1}
+        lines = self._lines(facts, usage, shares)
         try:
             held, record = self.ledger.reserve(
                 lines, kind="approval-requested" if asking else "admission",
@@ -520,8 +523,17 @@ class RunnerSession:
             chain=tuple(payload["chain"]), expires_at=time.time() + self.config.ticket_ttl_seconds,
         )
         return Admission(ticket=ticket, workers=workers, holds=held, reserved=estimate.amount,
-                         priced_type=estimate.gpu_type_priced, chain=payload["chain"], facts=facts,
+                         priced_type=estimate.gpu_type_priced, chain=payload["chain"], facts=facts, shares=shares,
                          expires_at=min((utc(g.expires_at).timestamp() for g in chain if g.expires_at), default=None))
+
+    def _lines(self, facts: RunFacts, usage: Usage, shares: dict[str, float]) -> list[BudgetLine]:
+        """Every account a run must fit: the block's covering limits, and for each grant of its chain
+        with a budget_share below 1, that share of each of them, as an account of the grant's own
+        (`<account>#<grant>`): all the grant's runs together, from any process, stay within it.
+        """
+        lines = self.budget.lines(self.budget_name, facts, usage)
+        return lines + [line.model_copy(update={"budget": f"{line.budget}#{gid}", "limit": line.limit * share})
+                        for gid, share in shares.items() for line in lines]
 
     def _first_of_version(self, flow: str | None, version: str | None) -> bool:
         """No run of this flow version was admitted yet; read only when a policy rule asks."""
@@ -610,7 +622,7 @@ class RunnerSession:
         return out
 
     def _charges(self, facts: RunFacts, request: AIRequest, gpu_type: str | None, seconds: float,
-                 reported: ReportedUsage | None, held: list[Hold]) -> dict[str, float]:
+                 reported: ReportedUsage | None, held: list[Hold], shares: dict[str, float]) -> dict[str, float]:
         """What a run used, per account it holds: GPU time at its real type, reported (else estimated) tokens.
 
         Accounts for GPU types it did not land on get nothing (their holds are voided).
@@ -626,7 +638,7 @@ class RunnerSession:
                 return self._held(held)
         used = Usage(money=money, gpu_hours=request.gpus * seconds / 3600, tokens=tokens)
         actual = facts.model_copy(update={"gpu_types": (gpu_type,)}) if gpu_type else facts
-        return {line.budget: line.amount for line in self.budget.lines(self.budget_name, actual, used)}
+        return {line.budget: line.amount for line in self._lines(actual, used, shares)}
 
     def _wait_in_queue(self, state: _Running, request: AIRequest, admission: Admission) -> str | None:
         """Wait in the cluster's one queue (a scheduler plugin) for the worker this run may start on now."""
@@ -677,7 +689,7 @@ class RunnerSession:
         except KilledWorker as exc:  # the worker died mid-task: charge what can have run, at most the hold
             ran = time.monotonic() - submitted
             held = self._held(state.holds)
-            ran_cost = self._charges(admission.facts, request, admission.priced_type, ran, None, state.holds)
+            ran_cost = self._charges(admission.facts, request, admission.priced_type, ran, None, state.holds, admission.shares)
             self._settle(state.holds, {b: min(v, held.get(b, 0.0)) for b, v in ran_cost.items()}, kind="settlement", payload={
                 **payload, "outcome": "worker-died", "error": f"{type(exc).__name__}: {exc}", "seconds": ran}, ids=ids)
             raise
@@ -699,7 +711,7 @@ class RunnerSession:
             task_log = get_run_logger()
             for level, message in out.logs:
                 task_log.log(level, message)
-        charges = self._charges(admission.facts, request, run.gpu_type, run.seconds, out.usage, state.holds)
+        charges = self._charges(admission.facts, request, run.gpu_type, run.seconds, out.usage, state.holds, admission.shares)
         outcome = "completed" if out.ok else f"stopped-{stopped}" if stopped else "failed"
         self._settle(state.holds, charges, kind="settlement", payload={
             **payload, "outcome": outcome,

@@ -237,3 +237,38 @@ def test_a_budget_with_prices_only_admits_and_settles_with_evidence(gpu_cluster,
     ledger = Ledger(sqlite_url)
     assert [r.kind for r in ledger.records()] == ["admission", "settlement"] and ledger.accounts() == []
     assert settlement(ledger)["outcome"] == "completed"
+
+
+def test_a_grants_budget_share_caps_what_all_its_runs_hold_together(gpu_cluster, sqlite_url):
+    """A delegated grant with budget_share=0.5 may use half of each covering budget, across its runs."""
+    from aisched_prefect.grants import delegate_grant
+    from tests.helpers import authority
+
+    auth = authority(can_delegate=True)
+    name = saved(limit=0.012)  # 5 s on an H100 hold 0.00556: two fit the budget, one fits half of it
+    delegate_grant("team-a-root", id="half", principal="team-a/agent", by="alice", authority=auth,
+                   ledger=Ledger(sqlite_url), budget_share=0.5)
+
+    @ai_task(gpus=1, gpu_type="H100", kind="inference", est_seconds=5)
+    def infer():
+        time.sleep(1.0)
+        return "ok"
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, budget=name, authority=auth,
+                             principal="team-a/agent", grant="half", max_workers=4))
+    def agent():
+        out = []
+        for f in [infer.submit() for _ in range(2)]:
+            try:
+                out.append(f.result())
+            except AdmissionDenied as exc:
+                out.append(str(exc))
+        return out
+
+    out = agent()
+    assert out.count("ok") == 1
+    assert any(f"budget '{name}#half'" in o for o in out)  # the grant's own half, not the whole budget
+    ledger = Ledger(sqlite_url)
+    accounts = {a["budget"]: a for a in ledger.accounts()}
+    assert accounts[f"{name}#half"]["limit"] == pytest.approx(0.006)
+    assert accounts[f"{name}#half"]["posted"] == accounts[name]["posted"] > 0  # charged on both, the same
