@@ -38,10 +38,10 @@ class GPUQueuePlugin(SchedulerPlugin):
         self.policy = policy or FairShare()
         self.addresses: list[str] = []  # host index -> worker address (append-only; a gone worker keeps its index)
         self.state = ClusterState(free=[])
-        self.waiters: dict[int, tuple[asyncio.Future, str, Job]] = {}  # job id -> (answer, client, job)
+        self.waiters: dict[int, tuple[str, Job]] = {}  # queued: job id -> (client, job)
         self.running: dict[int, tuple[Running, str]] = {}
         self.ids = itertools.count(1)
-        self.answers: dict[int, asyncio.Future] = {}
+        self.answers: dict[int, asyncio.Future] = {}  # job id -> its worker, once started (None: left the queue)
         self.scheduler: Any = None
 
     async def start(self, scheduler: Any) -> None:
@@ -81,13 +81,12 @@ class GPUQueuePlugin(SchedulerPlugin):
     # -- clients ------------------------------------------------------------------------
     def remove_client(self, scheduler: Any, client: str) -> None:
         """A client went away (its flow process died): forget what it queued and free what it ran."""
-        mine = [jid for jid, (_, c, _) in self.waiters.items() if c == client]
+        mine = [jid for jid, (c, _) in self.waiters.items() if c == client]
         if mine:
-            self.policy.remove([self.waiters[j][2] for j in mine])
+            self.policy.remove([self.waiters[j][1] for j in mine])
             for jid in mine:
-                fut, _, _ = self.waiters.pop(jid)
-                if not fut.done():
-                    fut.set_result(None)
+                del self.waiters[jid]
+                self._answer(jid, None)
         for jid, (_, c) in list(self.running.items()):
             if c == client:
                 self._drop_running(jid)
@@ -104,10 +103,9 @@ class GPUQueuePlugin(SchedulerPlugin):
         hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
         job = Job(id=next(self.ids), tenant=tenant, gpus=gpus, submit=time.time(), estimate=estimate,
                   priority=priority, hosts=hosts)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.waiters[job.id] = (fut, client, job)
+        self.answers[job.id] = asyncio.get_running_loop().create_future()
+        self.waiters[job.id] = (client, job)
         self.policy.submit(job, self.state)
-        self.answers[job.id] = fut
         self._dispatch()
         return job.id
 
@@ -124,10 +122,9 @@ class GPUQueuePlugin(SchedulerPlugin):
     def leave(self, id: int) -> None:
         """A run ended (or was abandoned while queued): free its GPUs, or take it out of the queue."""
         if id in self.waiters:
-            fut, _, job = self.waiters.pop(id)
+            _, job = self.waiters.pop(id)
             self.policy.remove([job])
-            if not fut.done():
-                fut.set_result(None)
+            self._answer(id, None)
         elif id in self.running:
             self._drop_running(id)
         self._dispatch()
@@ -143,17 +140,21 @@ class GPUQueuePlugin(SchedulerPlugin):
         if free:
             self.state.free[run.host] += run.job.gpus
 
+    def _answer(self, jid: int, worker: str | None) -> None:
+        fut = self.answers.get(jid)
+        if fut is not None and not fut.done():
+            fut.set_result(worker)
+
     def _dispatch(self) -> None:
         if not self.waiters:
             return
         now = time.time()
         for start in self.policy.schedule(now, self.state):
-            fut, client, job = self.waiters.pop(start.job.id)
+            client, job = self.waiters.pop(start.job.id)
             run = Running(start.job, start.host, now)
             self.state.running.append(run)
             self.running[job.id] = (run, client)
-            if not fut.done():
-                fut.set_result(self.addresses[start.host])
+            self._answer(job.id, self.addresses[start.host])
 
 
 async def _install(dask_scheduler: Any, policy: Policy | None) -> bool:

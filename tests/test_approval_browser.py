@@ -11,7 +11,6 @@ AISCHED_REQUIRE_BROWSER=1. AISCHED_SCREENSHOTS=DIR keeps the form's screenshot
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
