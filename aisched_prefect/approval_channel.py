@@ -7,6 +7,7 @@ key can make, over the digest of exactly the request that is waiting.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -41,32 +42,57 @@ class PendingApproval(BaseModel):
     items: list[str] = []  # a batch: every task run one answer covers (this id is the first)
 
 
-def pending(ledger: Ledger) -> list[PendingApproval]:
-    """Runs with an approval request and no decision yet, oldest first."""
-    open_: dict[str, PendingApproval] = {}
+def pending(ledger: Ledger, now: float | None = None) -> list[PendingApproval]:
+    """Runs with an approval request and no decision yet, oldest first.
+
+    Requests are known by their digest: a suspended deployment run re-runs
+    after resume with new task run ids but the same digest, so its request
+    stays one entry. A suspended request past its deadline is no longer
+    listed (Prefect refuses to resume it; its holds were released when it
+    was suspended).
+    """
+    now = time.time() if now is None else now
+    open_: dict[str, PendingApproval] = {}  # digest -> request
+    expires: dict[str, float] = {}
+
+    def find(r: Any) -> str | None:
+        digests = {r.payload.get("approval_digest"), r.payload.get("batch_digest"), r.payload.get("digest")}
+        for digest, a in open_.items():
+            if digest in digests or r.task_run_id == a.task_run_id or r.task_run_id in a.items:
+                return digest
+        return None
+
     for r in ledger.records():
         if r.task_run_id is None:
             continue
+        p = r.payload
         if r.kind == "approval-requested":
-            p = r.payload
-            open_[r.task_run_id] = PendingApproval(
-                task_run_id=r.task_run_id, flow_run_id=r.flow_run_id, task=p.get("task"), principal=r.principal,
-                rule=p.get("approval_rule"), est_cost=(p.get("estimate") or {}).get("amount", 0.0),
-                digest=p.get("approval_digest", ""), approvals_required=p.get("approvals_required", 1),
-                votes=[], asked_at=r.ts)
+            digest = p.get("approval_digest", "")
+            if digest not in open_:
+                open_[digest] = PendingApproval(
+                    task_run_id=r.task_run_id, flow_run_id=r.flow_run_id, task=p.get("task"), principal=r.principal,
+                    rule=p.get("approval_rule"), est_cost=(p.get("estimate") or {}).get("amount", 0.0),
+                    digest=digest, approvals_required=p.get("approvals_required", 1), votes=[], asked_at=r.ts)
         elif r.kind == "approval-batch":
-            members = [open_.pop(i) for i in r.payload["items"] if i in open_]
-            if members:
-                open_[members[0].task_run_id] = members[0].model_copy(update={
-                    "digest": r.payload["digest"], "est_cost": r.payload["est_cost"], "task": r.payload["task"],
+            members = [m for d, m in list(open_.items()) if m.task_run_id in p["items"] and not m.items]
+            for m in members:
+                del open_[m.digest]
+            if members and p["digest"] not in open_:
+                open_[p["digest"]] = members[0].model_copy(update={
+                    "digest": p["digest"], "est_cost": p["est_cost"], "task": p["task"],
                     "items": [m.task_run_id for m in members]})
-        elif r.kind == "approval-vote" and r.task_run_id in open_ and r.payload.get("counted"):
-            open_[r.task_run_id].votes.append(r.payload.get("approver", "?"))
+        elif r.kind == "approval-suspended":
+            if (digest := find(r)) is not None:
+                expires[digest] = p.get("expires_at", math.inf)
+        elif r.kind == "approval-vote" and p.get("counted"):
+            if (digest := find(r)) is not None:
+                open_[digest].votes.append(p.get("approver", "?"))
         elif r.kind in _ENDS_A_REQUEST:
-            for key, a in list(open_.items()):
-                if key == r.task_run_id or r.task_run_id in a.items:
-                    del open_[key]
-    return sorted(open_.values(), key=lambda a: a.asked_at)
+            if (digest := find(r)) is not None:
+                del open_[digest]
+                expires.pop(digest, None)
+    live = [a for d, a in open_.items() if expires.get(d, math.inf) > now]
+    return sorted(live, key=lambda a: a.asked_at)
 
 
 def load_key(path: str) -> Ed25519PrivateKey:

@@ -2,13 +2,14 @@
 
 Two implementations: `PolicyApprover` decides at once (no person; "ask"
 resolves to its `on_ask` action, deny unless told otherwise) and
-`PrefectPauseApprover` pauses the flow run with a typed form that the Prefect
-UI renders, resumed through the Prefect API. Silence past the timeout denies.
+`PrefectPauseApprover` pauses the flow run (a deployment run: suspends it)
+with a typed form that the Prefect UI renders, resumed through the Prefect
+API. Silence past the timeout denies.
 
 Prefect's open-source server has no user identity: anyone with API access can
 resume a run and type any name. What an approver *can* prove is possession of
 a private key: `aisched approve` signs the answer (Ed25519) over the approval's
-digest, which hashes exactly what was shown (task run, task, parameters,
+digest, which hashes exactly what was shown (flow run and task, parameters,
 request, cost estimate, rule). A signature therefore cannot be forged by the
 requester and cannot be replayed onto another or a changed request.
 """
@@ -26,10 +27,16 @@ from prefect.input import RunInput
 from pydantic import BaseModel, ConfigDict, Field
 
 
-def approval_digest(*, task_run_id: str, task_name: str, parameters: str | None, request: dict[str, Any],
+def approval_digest(*, run_key: str, task_name: str, parameters: str | None, request: dict[str, Any],
                     est_cost: float, currency: str, rule: str | None) -> str:
-    """The hash an approval is bound to: what the approver was shown, exactly."""
-    body = {"task_run_id": task_run_id, "task": task_name, "parameters": parameters, "request": request,
+    """The hash an approval is bound to: what the approver was shown, exactly.
+
+    `run_key` names the task within its flow run (flow run, task key), not the
+    task run id: a suspended flow run re-runs from the start with new task run
+    ids, and the answer must still bind to the same call. Identical calls of
+    one flow run are told apart by `ApprovalRequest.call_index`.
+    """
+    body = {"run": run_key, "task": task_name, "parameters": parameters, "request": request,
             "est_cost": round(est_cost, 6), "currency": currency, "rule": rule}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
@@ -82,6 +89,7 @@ class ApprovalRequest(BaseModel):
     round: int = 0  # how many answers came before this one (each answer is its own pause)
     items: list[dict[str, Any]] = []  # a batch: every run it covers (task_run_id, task, request, est_cost)
     require_signature: bool = False
+    call_index: int = 0  # identical calls (same digest) of this flow run already run to completion before this one
 
     def describe(self) -> str:
         req = ", ".join(f"{k}={v}" for k, v in self.request.items() if v not in (None, 0, 0.0))
@@ -146,33 +154,60 @@ class PolicyApprover(BaseModel):
         )
 
 
-def pause_key(task_run_id: str, round_: int) -> str:
-    return f"aisched-approval-{task_run_id}-{round_}"
+def pause_key(request: ApprovalRequest) -> str:
+    """One pause (or suspension) per answer, the same on the re-run of a resumed suspended flow run.
+
+    Prefect returns the stored answer when a key was used before, so the key
+    names the call (digest, and how many identical calls completed before it:
+    those are read from their persisted results on a re-run, never asked
+    again) and the answer (round).
+    """
+    return f"aisched-approval-{request.digest[:32]}-{request.call_index}-{request.round}"
 
 
 class PrefectPauseApprover(BaseModel):
-    """Pause the flow run for a typed approval form; resume comes from the UI, the API or `aisched approve`."""
+    """Wait for a typed approval form that the Prefect UI renders; answers come from the UI, the API or `aisched approve`.
+
+    A run started by a deployment is *suspended* (`suspend_flow_run`): its
+    process exits, so an overnight wait holds no process and, by the session's
+    rule, no budget; when a person answers, Prefect reschedules it, it re-runs
+    from the start (completed tasks come from their persisted results) and the
+    same call finds its answer under the same pause key. Any other run (a
+    script, a test) is *paused* in-process, polling every `poll_interval`.
+    """
 
     poll_interval: int = Field(default=2, ge=1)
+    suspend_deployment_runs: bool = True
 
     def decide(self, request: ApprovalRequest) -> ApprovalDecision:
+        from prefect.context import FlowRunContext
         from prefect.exceptions import FlowPauseTimeout
-        from prefect.flow_runs import pause_flow_run
+        from prefect.flow_runs import pause_flow_run, suspend_flow_run
 
-        try:
-            answer = pause_flow_run(
-                wait_for_input=ApprovalInput.with_initial_data(
-                    description=request.describe(), approve=False, approver="", reason=""
-                ),
-                timeout=request.timeout_seconds,
-                poll_interval=self.poll_interval,
-                key=pause_key(request.task_run_id, request.round),
-            )
-        except FlowPauseTimeout:
-            return ApprovalDecision(
-                approved=False, approver="timeout", channel="prefect-pause",
-                reason=f"no decision within {request.timeout_seconds}s: silence denies",
-            )
+        form = ApprovalInput.with_initial_data(description=request.describe(), approve=False, approver="", reason="")
+        key = pause_key(request)
+        ctx = FlowRunContext.get()
+        if self.suspend_deployment_runs and ctx is not None and ctx.flow_run is not None and ctx.flow_run.deployment_id:
+            # Suspending *this* flow run by id works from a task's thread: Prefect stops the flow at its next
+            # orchestration boundary. On the re-run after resume the same key returns the answer at once.
+            answer = suspend_flow_run(wait_for_input=form, flow_run_id=ctx.flow_run.id,
+                                      timeout=request.timeout_seconds, key=key)
+            if answer is None:
+                from aisched_prefect.errors import ApprovalSuspended
+
+                raise ApprovalSuspended(
+                    f"flow run {request.flow_run_id} is suspended until a person answers the approval of "
+                    f"{request.task_name!r} (within {request.timeout_seconds}s): resume it from the Prefect UI or "
+                    f"`aisched approve {request.task_run_id[:8]} --as NAME`; it then re-runs on its work pool")
+        else:
+            try:
+                answer = pause_flow_run(wait_for_input=form, timeout=request.timeout_seconds,
+                                        poll_interval=self.poll_interval, key=key)
+            except FlowPauseTimeout:
+                return ApprovalDecision(
+                    approved=False, approver="timeout", channel="prefect-pause",
+                    reason=f"no decision within {request.timeout_seconds}s: silence denies",
+                )
         return ApprovalDecision(approved=answer.approve, approver=answer.approver.strip(), reason=answer.reason,
                                 channel="signed" if answer.signature else "prefect-pause",
                                 signature=answer.signature, signed_at=answer.signed_at)

@@ -33,3 +33,11 @@ class ConfigurationError(AISchedError, ValueError):
 
 class InvalidUsage(AISchedError, ValueError):
     """A task reported usage that cannot be right (negative tokens or cost)."""
+
+
+class ApprovalSuspended(AISchedError):
+    """A deployment run was suspended to wait for a person; its process exits and the run resumes on the answer.
+
+    Not a failure of the task: the flow run is Suspended (it holds no process
+    and no budget), and re-runs from the start on its work pool when resumed.
+    """

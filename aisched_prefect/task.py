@@ -15,13 +15,13 @@ from typing import Any, TypeVar, overload
 from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 
-from aisched_prefect.errors import AdmissionDenied, InvalidAIRequest, NoAdmissionContext, TicketRejected
+from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, InvalidAIRequest, NoAdmissionContext, TicketRejected
 from aisched_prefect.request import AIRequest
 
 R = TypeVar("R")
 
 REQUEST_ATTR = "__aisched_request__"
-_NEVER_RETRY = (AdmissionDenied, NoAdmissionContext, TicketRejected)
+_NEVER_RETRY = (AdmissionDenied, ApprovalSuspended, NoAdmissionContext, TicketRejected)
 
 
 def request_of(task: Task[Any, Any]) -> AIRequest | None:
@@ -46,6 +46,7 @@ def _admit_and_run(fn: Callable[..., Any], request: AIRequest, args: tuple[Any, 
         task_run_id=str(task_ctx.task_run.id), flow_run_id=str(flow_ctx.flow_run.id),
         flow_name=flow_ctx.flow.name if flow_ctx.flow else None,
         flow_version=flow_ctx.flow.version if flow_ctx.flow else None,
+        run_key=f"{flow_ctx.flow_run.id}/{task_ctx.task_run.task_key}",
     )
 
 

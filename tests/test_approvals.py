@@ -134,3 +134,42 @@ def test_a_run_waiting_for_approval_is_denied_if_its_grant_is_revoked_meanwhile(
     kinds = [r.kind for r in ledger.records()]
     assert kinds[-2:] == ["settlement", "denial"] and "admission" not in kinds
     assert ledger.accounts()[0]["pending"] == 0
+
+
+def test_two_identical_calls_of_one_flow_run_are_each_asked(gpu_cluster, sqlite_url):
+    # Same task, same parameters, one after the other: the answer to the first must not answer the second.
+    name = f"approval-twice-{uuid.uuid4().hex[:8]}"
+
+    @flow(name=name, task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, approval_policy=ask_for_training(60)))
+    def gated_twice():
+        out = []
+        for _ in range(2):
+            try:
+                out.append(finetune())
+            except AdmissionDenied as exc:
+                out.append(f"denied: {exc.reason}")
+        return out
+
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(gated_twice()))
+    thread.start()
+    answers = [{"approve": True, "approver": "alice", "reason": "first"},
+               {"approve": False, "approver": "alice", "reason": "not twice"}]
+    with get_client(sync_client=True) as client:
+        for answer in answers:
+            deadline, answered = time.time() + 60, False
+            while not answered and time.time() < deadline:
+                runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])))
+                if runs and runs[0].state and runs[0].state.is_paused():
+                    try:
+                        resume_flow_run(runs[0].id, run_input=answer)
+                        answered = True
+                    except Exception:  # the input schema is saved just after the Paused state
+                        pass
+                time.sleep(0.2)
+            assert answered, f"the flow run never paused for {answer['reason']!r}"
+    thread.join(timeout=120)
+    assert result == [["trained", "denied: alice rejected the run: not twice"]]
+    records = Ledger(sqlite_url).records()
+    digests = [r.payload["approval_digest"] for r in records if r.kind == "approval-requested"]
+    assert len(digests) == 2 and digests[0] == digests[1]  # the same request, asked twice: two answers
