@@ -1,0 +1,118 @@
+"""Batch inference: shards fanned out with `.map()` over fractional GPUs, results gathered in one task.
+
+What it shows:
+
+- `make_shards` (a plain task) splits the input into `shards` shards.
+- `infer` is an `@ai_task(gpus=gpu_fraction, kind="inference")`, mapped over the shards:
+  each run is admitted and held on its own budget line. With the default quarter of a
+  GPU, four shards fit on one device at once, and the worker's allocator packs
+  fractions onto the fullest device that still fits, keeping whole GPUs free for
+  whole-GPU work: the 8 shards land on one device per worker, 4 each. (How many run
+  at the same instant is also bounded by the worker's threads: 3 on the embedded
+  2-GPU workers.) Each shard records the device it got and when it ran.
+- `gather` (a plain task) checks every shard came back, and reports how many shards
+  each device served and how many ran on one device at the same time.
+
+Run it locally (declared GPUs, no GPU needed):
+
+    .venv/bin/python -m flows.batch_inference
+
+A real team replaces the arithmetic in `infer` with loading the model once per worker
+(e.g. a cached `torch.load` or a vLLM engine onto `current_devices()`) and scoring real
+rows from object storage; `gpu_memory_gb=` on the task then reserves the memory the
+model needs on the shared GPU. Environment settings: see `flows/common.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+from prefect import Task, flow, get_run_logger, task, unmapped
+
+from aisched_prefect import ai_task, current_devices
+from flows.common import ensure_example_blocks, example_runner
+
+PRINCIPAL = "examples/batch-inference"
+MODEL = "examples-regressor"
+
+
+@task
+def make_shards(shards: int, rows_per_shard: int) -> list[dict[str, Any]]:
+    """Split the input into shards; here the rows are just their numbers."""
+    return [{"shard": i, "rows": list(range(i * rows_per_shard, (i + 1) * rows_per_shard))} for i in range(shards)]
+
+
+def score_shard(shard: dict[str, Any], model: str, seconds: float) -> dict[str, Any]:
+    """Score one shard on this task's share of a GPU (deterministic stand-in arithmetic)."""
+    from distributed import get_worker
+
+    started = time.time()
+    device = current_devices()[0]
+    scores = [int(hashlib.sha256(f"{model}:{row}".encode()).hexdigest()[:8], 16) % 1000 / 1000 for row in shard["rows"]]
+    time.sleep(seconds)  # the model's forward passes
+    return {"shard": shard["shard"], "rows": len(scores), "mean_score": sum(scores) / len(scores),
+            "worker": str(get_worker().name), "device": device.key, "gpu_type": device.gpu_type,
+            "started": started, "ended": time.time()}
+
+
+def infer_task(gpu_fraction: float, seconds: float, model: str) -> Task[..., dict[str, Any]]:
+    """The inference step on `gpu_fraction` of a GPU; its hold covers 30 s more than the shard takes."""
+    return ai_task(gpus=gpu_fraction, kind="inference", model=model, est_seconds=seconds + 30, name="infer")(score_shard)
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The largest number of these (start, end) spans that overlap at one instant."""
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    now = peak = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+@task
+def gather(results: list[dict[str, Any]], shards: int) -> dict[str, Any]:
+    """Check every shard came back; summarise the scores and how the shards shared devices."""
+    missing = sorted(set(range(shards)) - {r["shard"] for r in results})
+    if missing:
+        raise ValueError(f"shards {missing} returned no result")
+    by_device: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        by_device.setdefault(f"{r['worker']}/{r['device']}", []).append(r)
+    return {
+        "shards": len(results), "rows": sum(r["rows"] for r in results),
+        "mean_score": sum(r["mean_score"] * r["rows"] for r in results) / sum(r["rows"] for r in results),
+        "devices": {d: {"shards": sorted(r["shard"] for r in rs),
+                        "most_at_once": most_at_once([(r["started"], r["ended"]) for r in rs])}
+                    for d, rs in sorted(by_device.items())},
+        "results": sorted(results, key=lambda r: r["shard"]),
+    }
+
+
+@flow(name="batch-inference", task_runner=example_runner(PRINCIPAL), log_prints=True)
+def batch_inference(shards: int = 8, gpu_fraction: float = 0.25, rows_per_shard: int = 1000,
+                    seconds_per_shard: float = 1.0, model: str = MODEL) -> dict[str, Any]:
+    """Score `shards` shards, each on `gpu_fraction` of a GPU, and gather the results."""
+    log = get_run_logger()
+    parts = make_shards(shards, rows_per_shard)
+    futures = infer_task(gpu_fraction, seconds_per_shard, model).map(parts, model=unmapped(model),
+                                                              seconds=unmapped(seconds_per_shard))
+    summary = gather(futures, shards)
+    for device, use in summary["devices"].items():
+        log.info("device %s served shards %s, at most %d at once", device, use["shards"], use["most_at_once"])
+    return summary
+
+
+if __name__ == "__main__":
+    from flows.nightly import print_evidence
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)  # keep the output about the example
+    ensure_example_blocks()
+    state = batch_inference(return_state=True)
+    result = state.result()
+    print(json.dumps({k: result[k] for k in ("shards", "rows", "mean_score", "devices")}, indent=2))
+    print_evidence(str(state.state_details.flow_run_id))

@@ -1,0 +1,144 @@
+"""The three example flows in flows/, run for real: embedded GPU-aware Dask cluster, Prefect test server, a tmp ledger."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+from prefect.flow_runs import resume_flow_run
+
+from aisched_prefect import Ledger
+from blocks import AuthorityBlock, Grant
+from flows.batch_inference import batch_inference
+from flows.common import APPROVER, BLOCK_NAME, ensure_example_blocks, example_blocks, example_runner
+from flows.llm_pipeline import llm_pipeline
+from flows.training import PRINCIPAL as TRAINING_PRINCIPAL
+from flows.training import nightly_training
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch, sqlite_url) -> Ledger:
+    """What an operator's environment gives the examples: AISCHED_HOME, a ledger URL, the saved blocks."""
+    monkeypatch.setenv("AISCHED_HOME", str(tmp_path))
+    monkeypatch.setenv("AISCHED_LEDGER_URL", sqlite_url)
+    ensure_example_blocks()
+    return Ledger(sqlite_url)
+
+
+def kinds_of(records, task: str) -> list[str]:
+    return [r.kind for r in records if r.payload.get("task") == task]
+
+
+def test_example_blocks_are_saved_once_and_edits_stick():
+    name = f"examples-t-{uuid.uuid4().hex[:6]}"
+    assert sorted(ensure_example_blocks(name)) == ["aisched-approval-policy", "aisched-authority", "aisched-budget",
+                                                   "aisched-cluster"]
+    AuthorityBlock(grants=[Grant(id="edited", principal="x")]).save(name, overwrite=True)  # an operator's edit
+    assert ensure_example_blocks(name) == []
+    assert [g.id for g in AuthorityBlock.load(name).grants] == ["edited"]
+
+
+def run_until_paused(flow_fn, answer: dict, **parameters):
+    """Run a flow in a thread; when it pauses for approval, answer the form through the API, as the UI does."""
+    name = f"example-{uuid.uuid4().hex[:8]}"
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(flow_fn.with_options(flow_run_name=name)(**parameters)))
+    thread.start()
+    paused = None
+    deadline = time.time() + 60
+    with get_client(sync_client=True) as client:
+        while paused is None and time.time() < deadline and thread.is_alive():
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+            if runs and runs[0].state and runs[0].state.is_paused():
+                paused = runs[0].id
+            time.sleep(0.2)
+    assert paused is not None, "the flow run never paused for approval"
+    for _ in range(50):  # the form's schema is saved just after the Paused state
+        try:
+            resume_flow_run(paused, run_input=answer)
+            break
+        except Exception:
+            time.sleep(0.2)
+    thread.join(timeout=120)
+    assert not thread.is_alive() and result
+    return result[0]
+
+
+def test_nightly_training_trains_on_two_gpus_evaluates_and_promotes_when_a_person_approves(ledger):
+    with_a_person = nightly_training.with_options(task_runner=example_runner(TRAINING_PRINCIPAL, approver="pause"))
+    out = run_until_paused(with_a_person, {"approve": True, "approver": APPROVER, "reason": "eval looks right"},
+                           epochs=2)
+    train, evaluation = out["train"], out["evaluation"]
+    # The trainer subprocess saw exactly the two whole GPUs its task was given.
+    seen = train["subprocess_saw"].split(",")
+    assert len(set(seen)) == 2 and sorted(seen) == sorted(train["devices"])
+    # Evaluation read that checkpoint (on half a GPU) and scored it.
+    assert evaluation["checkpoint"] == train["checkpoint"] and evaluation["checkpoint_devices"] == train["subprocess_saw"]
+    assert len(evaluation["devices"]) == 1 and evaluation["accuracy"] >= 0.9
+    # Promoted: the registry holds the checkpoint, and the ledger shows who approved it under which rule.
+    assert out["decision"] == "promoted"
+    assert json.loads(Path(out["promoted"]).read_text()) == json.loads(Path(train["checkpoint"]).read_text())
+    records = ledger.records(out["flow_run_id"])
+    assert kinds_of(records, "train") == kinds_of(records, "evaluate") == ["admission", "settlement"]
+    assert kinds_of(records, "promote_to_registry") == ["approval-requested", "approval", "admission", "settlement"]
+    approval = next(r.payload for r in records if r.kind == "approval")
+    assert approval["approved"] is True and approval["approver"] == APPROVER
+    assert approval["approval_rule"] == "promotion-needs-a-person" and approval["approver_chain"] == ["alice-approves"]
+    assert ledger.verify().ok
+
+
+def test_nightly_training_without_a_person_keeps_the_model_unpromoted(ledger):
+    under_policy = nightly_training.with_options(task_runner=example_runner(TRAINING_PRINCIPAL, approver="policy"))
+    out = under_policy(epochs=1, rows=512)
+    assert out["promoted"] is None and out["decision"].startswith("not promoted: denied at approval")
+    records = ledger.records(out["flow_run_id"])
+    assert kinds_of(records, "promote_to_registry") == ["approval-requested", "approval"]
+    assert next(r.payload for r in records if r.kind == "approval")["channel"] == "policy"
+    assert all(a["pending"] == 0 for a in ledger.accounts())  # the denied promotion's hold was released
+
+
+def test_batch_inference_gathers_every_shard_from_shared_gpus(ledger):
+    out = batch_inference(shards=8, gpu_fraction=0.25, rows_per_shard=100, seconds_per_shard=1.0)
+    assert out["shards"] == 8 and out["rows"] == 800
+    assert [r["shard"] for r in out["results"]] == list(range(8))
+    # Quarter-GPU shards share devices: fewer devices than shards, and several on one device at the same time.
+    assert len(out["devices"]) < 8
+    assert max(d["most_at_once"] for d in out["devices"].values()) >= 2
+    assert sum(len(d["shards"]) for d in out["devices"].values()) == 8
+    admissions = [r for r in ledger.records() if r.kind == "admission"]
+    assert len(admissions) == 8 and all(a.payload["request"]["gpus"] == 0.25 for a in admissions)
+    # Each holds its share: 0.25 GPU x (1 + 30) s x 4.0 USD per H100-hour.
+    assert {round(a.payload["estimate"]["amount"], 6) for a in admissions} == {round(0.25 * 31 * 4.0 / 3600, 6)}
+
+
+def test_llm_pipeline_charges_reported_tokens_under_the_rate_limit(ledger):
+    out = llm_pipeline()
+    usage = out["usage"]
+    assert usage["calls"] == 7 and usage["tokens"] == usage["input_tokens"] + usage["output_tokens"] > 0
+    settlements = [r.payload for r in ledger.records() if r.kind == "settlement"]
+    assert len(settlements) == 7
+    # Each call was charged what it reported, not its 400-token estimate.
+    assert sum(s["usage"]["tokens"] for s in settlements) == usage["tokens"]
+    tokens = next(a for a in ledger.accounts() if a["budget"] == f"{BLOCK_NAME}/llm-tokens")
+    assert tokens["unit"] == "tokens" and tokens["posted"] == usage["tokens"] and tokens["pending"] == 0
+    # 120 starts a minute: calls waited for their slot, and the wait is in the evidence.
+    waited = [s["model_limit"]["waited"] for s in settlements]
+    assert all(s["model_limit"]["limit"] == "example-llm*" for s in settlements)
+    assert max(waited) > 0.4
+
+
+def test_example_blocks_are_consistent():
+    """The policy's rules name kinds the authority grants, and the approver may approve promotions."""
+    authority, budget, policy, cluster = example_blocks()
+    granted = {k for g in authority.grants for k in g.kinds}
+    assert {k for r in policy.rules for k in (r.kinds or [])} <= granted
+    assert any(g.can_approve and g.covers_principal(APPROVER) and "promotion" in g.kinds for g in authority.grants)
+    assert cluster.limit_for("example-llm") is not None and budget.token_price("example-llm") > 0
