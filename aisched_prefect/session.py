@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from aisched_prefect.approval_desk import ApprovalDesk
 from aisched_prefect.approvals import ApprovalRequest, Approver, PolicyApprover, PrefectPauseApprover, approval_digest
 from aisched_prefect.config import RunnerConfig
-from aisched_prefect.errors import AdmissionDenied, TicketRejected
+from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, TicketRejected
 from aisched_prefect.evidence import EvidenceRecord
 from aisched_prefect.ledger import BudgetAlert, BudgetExceeded, Hold, Ledger
 from aisched_prefect.report import evidence_rows
@@ -382,15 +382,20 @@ class RunnerSession:
 
     def run(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
             *, task_name: str, task_run_id: str, flow_run_id: str, flow_name: str | None = None,
-            flow_version: str | None = None) -> Any:
-        """Admit one call of an AI task, run it on its devices, settle it; return its result."""
+            flow_version: str | None = None, run_key: str | None = None) -> Any:
+        """Admit one call of an AI task, run it on its devices, settle it; return its result.
+
+        `run_key` names the call within its flow run across re-runs (flow run, task key, dynamic key).
+        """
         self.flow_run_ids.add(flow_run_id)
         ids = {"flow_run_id": flow_run_id, "task_run_id": task_run_id, "principal": self.config.principal}
         payload: dict[str, Any] = {
-            "task": task_name, "request": request.model_dump(), "authority": self.authority_name,
+            "task": task_name, "flow": flow_name, "tenant": self.tenant, "request": request.model_dump(),
+            "authority": self.authority_name,
             "budget": self.budget_name, "policy": self.config.approval_policy if isinstance(self.config.approval_policy, str) else None,
         }
-        admission = self._admit(request, payload, ids, (flow_name, flow_version), (args, kwargs))
+        admission = self._admit(request, payload, ids, (flow_name, flow_version), (args, kwargs),
+                                run_key or f"{flow_run_id}/{task_run_id}")
         with ExitStack() as stack:
             try:
                 stack.enter_context(self._model_slot(request, payload))
@@ -446,7 +451,7 @@ class RunnerSession:
 
     def _admit(self, request: AIRequest, payload: dict[str, Any], ids: dict[str, Any],
                flow: tuple[str | None, str | None] = (None, None),
-               call: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})) -> Admission:
+               call: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), run_key: str = "") -> Admission:
         """Feasibility, pricing, authority, policy, budget hold, then a person if the policy asks."""
         gpu_request = request.gpu_request()
         try:
@@ -488,7 +493,7 @@ class RunnerSession:
             from prefect.utilities.hashing import hash_objects
 
             payload["approval_digest"] = approval_digest(
-                task_run_id=ids["task_run_id"], task_name=payload["task"], parameters=hash_objects(*call),
+                run_key=run_key or ids["task_run_id"], task_name=payload["task"], parameters=hash_objects(*call),
                 request=payload["request"], est_cost=estimate.amount, currency=self.budget.currency, rule=outcome.rule)
             payload["approvals_required"] = outcome.approvals_required
         usage = Usage(money=estimate.amount, gpu_hours=request.gpus * request.est_seconds / 3600, tokens=request.est_tokens)
@@ -513,6 +518,7 @@ class RunnerSession:
                 remaining_budget=min((h.remaining_after for h in held if h.unit == "money"), default=None), rule=outcome.rule,
                 timeout_seconds=outcome.timeout_seconds, digest=payload["approval_digest"],
                 approvals_required=outcome.approvals_required, require_signature=outcome.require_signature,
+                call_index=self._completed_calls(ids["flow_run_id"], payload["approval_digest"]),
             ), held, payload, ids, facts)
         if facts.first_of_version:
             assert flow_name is not None and flow_version is not None
@@ -561,6 +567,17 @@ class RunnerSession:
                 return chain
         return None
 
+    def _completed_calls(self, flow_run_id: str, digest: str) -> int:
+        """Identical calls (same approval digest) of this flow run that already ran to completion.
+
+        They are what tells this call apart from them, in this run and in the
+        re-run after a suspension (where they come from persisted results and
+        are not admitted again): each call's answer has its own pause key.
+        """
+        return sum(1 for r in self.ledger.records(flow_run_id)
+                   if r.kind == "settlement" and r.payload.get("approval_digest") == digest
+                   and r.payload.get("outcome") == "completed")
+
     def _record_batch(self, ask: ApprovalRequest) -> None:
         self.ledger.record("approval-batch", {"items": [i["task_run_id"] for i in ask.items], "digest": ask.digest,
                                               "est_cost": ask.est_cost, "task": ask.task_name},
@@ -578,6 +595,13 @@ class RunnerSession:
         leader = items[0].task_run_id == ask.task_run_id
         batch = ({"batch": [a.task_run_id for a in items], "batch_digest": verdict.ask.digest}
                  if len(items) > 1 and verdict.ask is not None else {})
+        if isinstance(verdict.error, ApprovalSuspended):
+            # The rule for long waits: a suspended run holds nothing. Its holds are released now (never
+            # charged); the re-run after resume is admitted afresh (authority, budget) and finds its answer.
+            self._settle(held, None, kind="approval-suspended", payload={
+                **payload, "outcome": "suspended", **batch,
+                "expires_at": time.time() + ask.timeout_seconds}, ids=ids)
+            raise ApprovalSuspended(str(verdict.error))
         if verdict.error is not None:
             self._settle(held, None, kind="settlement", payload={**payload, "outcome": "approval-aborted", **batch}, ids=ids)
             if leader:
@@ -751,3 +775,9 @@ class RunnerSession:
                     key=ARTIFACT_KEY, type="table", data=rows, flow_run_id=UUID(flow_run_id),
                     description="AI task runs admitted, denied and settled by aisched-prefect in this flow run.",
                 ))
+                try:  # usage and cost: this flow run's, and today's (overwritten by each run)
+                    from aisched_prefect.usage_report import publish_report_artifacts
+
+                    publish_report_artifacts(self.ledger, flow_run_id, client=client)
+                except Exception:  # a report that cannot be published never fails the flow
+                    logger.exception("could not publish the usage report artifacts of flow run %s", flow_run_id)

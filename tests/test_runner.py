@@ -99,8 +99,11 @@ def test_evidence_artifact_is_attached_to_the_flow_run(gpu_cluster, sqlite_url):
     flow_run_id = one()
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    assert [a.key for a in artifacts] == ["aisched-evidence"]
-    (row,) = artifacts[0].data if isinstance(artifacts[0].data, list) else __import__("json").loads(artifacts[0].data)
+    keys = {a.key for a in artifacts}  # the evidence table, and the usage reports of the run and of the day
+    day = {k for k in keys if k.startswith("aisched-usage-20")}
+    assert keys - day == {"aisched-evidence", f"aisched-usage-{str(flow_run_id)[:8]}"} and len(day) == 1, keys
+    evidence = next(a for a in artifacts if a.key == "aisched-evidence")
+    (row,) = evidence.data if isinstance(evidence.data, list) else __import__("json").loads(evidence.data)
     assert row["task"] == "embed" and row["decision"] == "completed" and row["devices"] is not None
 
 
