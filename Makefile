@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo test bench bench-ledger clean
+.PHONY: install demo demo-server demo-server-stop test bench bench-ledger clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,13 @@ demo: $(STAMP)
 	mkdir -p .aisched/prefect
 	AISCHED_HOME=$(CURDIR)/.aisched PREFECT_HOME=$(CURDIR)/.aisched/prefect \
 		$(BIN)/python -m flows.nightly
+
+# A local Prefect server and process worker on 127.0.0.1, the deployments of prefect.yaml, one nightly run.
+demo-server: $(STAMP)
+	$(BIN)/python -m flows.demo_server up
+
+demo-server-stop:
+	$(BIN)/python -m flows.demo_server down
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -1,0 +1,116 @@
+"""The nightly example as a real deployment: server process, process work pool, worker, scheduled flow run.
+
+Starts what `make demo-server` starts (a `prefect server start` on a free
+127.0.0.1 port, the `aisched-local` process pool, `prefect deploy --all` from
+prefect.yaml, a worker), runs the nightly training deployment, and checks
+that its promotion step suspends the run (no process left, no budget held),
+that `aisched approve` resumes it through the API, and that the resumed run
+completes without running or charging anything twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aisched_prefect.ledger import Ledger
+from flows.demo_server import NIGHTLY, DemoServer
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _processes_of(flow_run_id: str) -> list[int]:
+    """Processes running this flow run (the process worker passes its id in the environment)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
+            found.append(int(pid))
+    return found
+
+
+def _aisched(demo: DemoServer, *args: str) -> str:
+    done = subprocess.run([str(Path(sys.executable).with_name("aisched")), *args], env=demo.env(), text=True,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, f"aisched {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture
+def demo(tmp_path):
+    server = DemoServer(tmp_path / "aisched", _free_port())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_nightly_deployment_suspends_for_approval_and_resumes_on_its_worker(demo):
+    flow_run = demo.run(NIGHTLY)
+    kind, name = demo.wait(flow_run, {"Suspended"}, timeout=300)
+    worker_log = (demo.home / "worker.log").read_text(errors="replace")
+    assert name == "Suspended", f"the nightly run ended {name}, not suspended for approval:\n{worker_log[-4000:]}"
+    ledger = Ledger(f"sqlite:///{demo.home / 'ledger.db'}")
+
+    # While it waits: no process of that flow run, and nothing of its budget held.
+    deadline = time.time() + 60  # the flow process closes its runner (Dask cluster, ledger) and exits
+    while _processes_of(flow_run) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _processes_of(flow_run), "a suspended run must not keep a process"
+    assert demo.state(flow_run)[1] == "Suspended"
+    suspended = [r for r in ledger.records() if r.kind == "approval-suspended"]
+    assert [r.payload["task"] for r in suspended] == ["promote_to_registry"]
+    assert all(a["pending"] == 0 for a in ledger.accounts()), "a suspended run holds no budget"
+    charged_before = {(a["budget"], a["period"]): a["posted"] for a in ledger.accounts()}
+
+    waiting = [json.loads(line) for line in _aisched(demo, "approvals", "list", "--json").splitlines()]
+    assert [w["task"] for w in waiting] == ["promote_to_registry"]
+    _aisched(demo, "approve", waiting[0]["task_run_id"][:8], "--as", "alice", "--reason", "eval looks right")
+
+    kind, name = demo.wait(flow_run, {"Completed"}, timeout=300)
+    assert kind == "COMPLETED", f"resumed run ended {name}:\n{(demo.home / 'worker.log').read_text()[-4000:]}"
+    records = ledger.records()
+    assert not _aisched(demo, "approvals", "list", "--json").strip(), "nothing waits any more"
+
+    # Each AI task call was admitted and charged exactly once: train and evaluate (completed before the
+    # suspension) were read back from their persisted results on the re-run, not run again.
+    charged = [r.payload["task"] for r in records if r.kind == "settlement" and r.payload.get("outcome") == "completed"]
+    assert sorted(charged) == ["evaluate", "promote_to_registry", "train"], charged
+    approval = [r.payload for r in records if r.kind == "approval"]
+    assert len(approval) == 1 and approval[0]["approver"] == "alice" and approval[0]["approved"] is True
+    assert approval[0]["reason"] == "eval looks right"
+    # The promotion's first holds were released at the suspension (voided, never charged); every account
+    # posted exactly what its charged holds say, so nothing was charged twice.
+    holds = ledger.history(limit=1000)
+    first = {r.task_run_id for r in records if r.kind == "approval-suspended"}
+    assert {h["status"] for h in holds if h["task_run_id"] in first} == {"voided"}
+    for a in ledger.accounts():
+        charged_here = sum(h["charged"] or 0 for h in holds if (h["budget"], h["period"]) == (a["budget"], a["period"]))
+        assert a["posted"] == pytest.approx(charged_here, abs=1e-6), a
+        assert a["pending"] == 0
+    promoted = {r.task_run_id for r in records if r.kind == "settlement" and r.payload.get("task") == "promote_to_registry"}
+    assert len(promoted) == 1 and not promoted & first
+    for a in ledger.accounts():  # after the resume, only the promotion's own charge was added
+        key = (a["budget"], a["period"])
+        added = sum(h["charged"] or 0 for h in holds if h["task_run_id"] in promoted and (h["budget"], h["period"]) == key)
+        assert a["posted"] == pytest.approx(charged_before.get(key, 0.0) + added, abs=1e-6), a
+    assert ledger.verify().ok
