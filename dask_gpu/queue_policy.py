@@ -160,14 +160,18 @@ class Fifo(Policy):
         return len(self.queue)
 
 
-def reservation(job: Job, now: float, state: ClusterState) -> tuple[float, int, int]:
-    """When and where `job` can start at the earliest if nothing else starts: (time, host, GPUs spare there then)."""
+def reservation(job: Job, now: float, state: ClusterState,
+                exclude: Iterable[int] = ()) -> tuple[float, int, int]:
+    """When and where `job` can start at the earliest if nothing else starts: (time, host, GPUs spare there then).
+
+    Hosts in `exclude` (already reserved for another job) are not considered.
+    """
     best = (math.inf, -1, 0)
     ends: dict[int, list[Running]] = {}
     for r in state.running:
         ends.setdefault(r.host, []).append(r)
     for h, free in enumerate(state.free):
-        if job.hosts is not None and h not in job.hosts:
+        if (job.hosts is not None and h not in job.hosts) or h in exclude:
             continue
         t = now
         for r in sorted(ends.get(h, []), key=lambda r: r.expected_end):
@@ -254,19 +258,27 @@ def max_min_shares(capacity: float, demands: dict[str, float], weights: dict[str
 
 
 class FairShare(EasyBackfill):
-    """Ours: fair share between tenants now, shortest-first within a tenant, aging, quotas, EASY backfill.
+    """Ours: fair share between tenants now, shortest-first within a tenant, aging, quotas, backfill.
 
     Each pass computes every tenant's max-min fair share of the cluster for
     what it has running and waiting (weighted) and serves tenants in order of
     how far below that share they are (ties: less recent use first); within a
     tenant, smaller work first, with a job's rank falling while it waits
     (`aging`), so long jobs are not starved. A tenant may run anything within
-    its quota (its weight's part of the cluster among tenants active lately);
+    its quota (its weight's part of the cluster among tenants active lately;
+    a job wider than the quota runs when the tenant runs nothing else);
     beyond it, it borrows idle GPUs only with work that ends within
     `borrow_seconds`, so a tenant that arrives later gets its share back
-    without preemption. The first job that does not fit gets an EASY
-    reservation; later jobs start only if they cannot delay it. Priority
-    comes before all of it.
+    without preemption.
+
+    Reservations: the first job that does not fit gets one (EASY), and so does
+    the first job of each further tenant below its fair share, up to
+    `reservations` hosts (a big job of a small tenant is not starved by the
+    small jobs of the others); a later job starts only if it cannot delay any
+    of them, and (`strict`) while one stands a tenant above its fair share
+    starts nothing that would end after it. `headroom` GPUs are kept free for
+    tenants that run nothing, so a newcomer's small job starts at once.
+    Priority comes before all.
 
     Per-tenant queues are kept sorted (a job's rank within its tenant does
     not change with time: every job ages at the same rate) and the serving
@@ -278,17 +290,21 @@ class FairShare(EasyBackfill):
     depth = 1000
 
     def __init__(self, weights: dict[str, float] | None = None, aging: float = 2 * 3600.0,
-                 half_life: float = 3600.0, borrow_seconds: float | None = 3600.0, active_window: float = 3600.0) -> None:
+                 half_life: float = 3600.0, borrow_seconds: float | None = 2 * 3600.0, active_window: float = 3600.0,
+                 reservations: int = 4, strict: bool = True, headroom: int = 1) -> None:
         super().__init__()
         self.weights = weights or {}
         self.aging, self.half_life = aging, half_life
         self.borrow_seconds, self.active_window = borrow_seconds, active_window
+        self.reservations, self.strict, self.headroom = reservations, strict, headroom
         self.last_submit: dict[str, float] = {}
         self.queues: dict[str, list[tuple[tuple[int, float], int, Job]]] = {}
         self.waiting_gpus: dict[str, float] = {}
         self.count = 0
         self.usage: dict[str, float] = {}  # GPU-seconds received, decayed: breaks ties between tenants
         self.usage_at: float | None = None
+        self._quota_at: tuple[float, int] | None = None
+        self._quota_weights: tuple[set[str], float] = (set(), 0.0)
 
     def _key(self, job: Job) -> tuple[int, float]:
         return (-job.priority, math.log10(1.0 + job.gpus * job.estimate / 60.0) + job.submit / self.aging)
@@ -313,12 +329,20 @@ class FairShare(EasyBackfill):
 
     def quota(self, tenant: str, now: float, capacity: int) -> float:
         """A tenant's nominal share: its weight's part of the cluster among tenants active lately."""
-        active = {t for t, at in self.last_submit.items() if now - at <= self.active_window} | {tenant}
-        return capacity * self.weights.get(tenant, 1.0) / sum(self.weights.get(t, 1.0) for t in active)
+        if self._quota_at != (now, len(self.last_submit)):
+            active = {t for t, at in self.last_submit.items() if now - at <= self.active_window}
+            self._quota_weights = (active, sum(self.weights.get(t, 1.0) for t in active))
+            self._quota_at = (now, len(self.last_submit))
+        active, total = self._quota_weights
+        w = self.weights.get(tenant, 1.0)
+        return capacity * w / (total if tenant in active else total + w)
 
-    def may_start(self, job: Job, now: float, state: ClusterState, alloc: dict[str, float]) -> bool:
+    def may_start(self, job: Job, now: float, state: ClusterState, alloc: dict[str, float],
+                  capacity: int | None = None) -> bool:
         """Within its quota a tenant runs anything; beyond it (borrowing idle GPUs) only work that ends soon."""
-        if self.borrow_seconds is None or alloc.get(job.tenant, 0.0) + job.gpus <= self.quota(job.tenant, now, state.capacity):
+        used = alloc.get(job.tenant, 0.0)
+        if self.borrow_seconds is None or used == 0 or used + job.gpus <= self.quota(
+                job.tenant, now, state.capacity if capacity is None else capacity):
             return True
         return job.estimate <= self.borrow_seconds
 
@@ -340,7 +364,7 @@ class FairShare(EasyBackfill):
         live = {t: q for t, q in self.queues.items() if q}
         demand = {t: alloc.get(t, 0.0) + self.waiting_gpus[t] for t in live}
         capacity = state.capacity if state else sum(demand.values()) or 1.0
-        fair = max_min_shares(capacity, demand, self.weights)
+        self.fair = fair = max_min_shares(capacity, demand, self.weights)
 
         def entry(t: str, i: int) -> tuple:
             key, jid, _ = live[t][i]
@@ -359,4 +383,65 @@ class FairShare(EasyBackfill):
 
     def schedule(self, now: float, state: ClusterState) -> list[Start]:
         self._charge(now, state)
-        return super().schedule(now, state)
+        free = state.free
+        alloc: dict[str, float] = {}
+        for r in state.running:
+            alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
+        starts: list[Start] = []
+        reserved: dict[int, list[float]] = {}  # host -> [reserved from, GPUs spare there then]
+        holders: set[str] = set()
+        looked = 0
+        capacity = state.capacity
+        for job in self.order(now, state):
+            most = max(free)
+            if most == 0:
+                break
+            h = None
+            if job.gpus <= most and self.may_start(job, now, state, alloc, capacity) and not self._held_back(
+                    job, now, free, alloc, reserved, holders):
+                h = self._place(job, now, free, reserved)
+                if h is not None:
+                    free[h] -= job.gpus
+                    alloc[job.tenant] = alloc.get(job.tenant, 0.0) + job.gpus
+                    starts.append(Start(job, h))
+                    continue
+            looked += 1
+            if looked > self.depth:
+                break
+            if (len(reserved) < max(self.reservations, 1) and job.tenant not in holders
+                    and (not reserved or alloc.get(job.tenant, 0.0) < self.fair.get(job.tenant, 0.0))
+                    and self.may_start(job, now, state, alloc, capacity)):
+                shadow, host, spare = reservation(job, now, _with(state, starts, now), exclude=reserved)
+                if host >= 0:
+                    reserved[host] = [shadow, spare]
+                    holders.add(job.tenant)
+        self.remove([s.job for s in starts])
+        return starts
+
+    def _held_back(self, job: Job, now: float, free: list[int], alloc: dict[str, float],
+                   reserved: dict[int, list[float]], holders: set[str]) -> bool:
+        """Whether `job` waits though it fits: it would take the last `headroom` free GPUs and its tenant runs
+        something already (they are kept for a tenant that runs nothing), or (`strict`) it would take its tenant
+        past its fair share while a tenant below its share waits on a reservation, and end after that."""
+        used = alloc.get(job.tenant, 0.0)
+        if self.headroom and used and sum(free) - job.gpus < self.headroom:
+            return True
+        return bool(self.strict and reserved and job.tenant not in holders
+                    and used + job.gpus > self.fair.get(job.tenant, 0.0)
+                    and now + job.estimate > min(r[0] for r in reserved.values()))
+
+    @staticmethod
+    def _place(job: Job, now: float, free: list[int], reserved: dict[int, list[float]]) -> int | None:
+        """Best fit among the hosts where `job` delays no reservation (it ends before it, or fits beside it)."""
+        best, best_free = None, math.inf
+        end = now + job.estimate
+        for h, f in enumerate(free):
+            if job.hosts is not None and h not in job.hosts:
+                continue
+            r = reserved.get(h)
+            room = f if r is None or end <= r[0] else min(f, int(r[1]))
+            if room >= job.gpus and f < best_free:
+                best, best_free = h, f
+        if best is not None and best in reserved and now + job.estimate > reserved[best][0]:
+            reserved[best][1] -= job.gpus
+        return best

@@ -119,3 +119,29 @@ def test_no_policy_overcommits_a_host_on_a_random_busy_workload():
     for policy in (PlainDask(4), Fifo(), EasyBackfill(), FairShare()):
         out = simulate(jobs, {j.id: j.estimate for j in jobs}, policy, 4, 8)  # raises on any over-commit
         assert max(busy for _, busy, _ in out.timeline) <= 32
+
+
+def test_a_tenant_running_nothing_gets_the_last_free_gpu():
+    # a fills 3 of 4 GPUs and queues more; b arrives with one job: the last GPU is kept for it (headroom).
+    jobs = [job(i, 1, submit=0.0, duration=100.0, tenant="a") for i in range(6)] + [job(9, 1, submit=5.0, tenant="b")]
+    s = starts_of(FairShare(headroom=1), jobs)
+    assert s[9] == 5.0 and sorted(s[i] for i in range(6))[3] == 100.0
+
+
+def test_a_job_wider_than_its_tenants_quota_still_runs_when_the_tenant_runs_nothing():
+    # 10 tenants active: quota 3.2 of 32 GPUs. b's 8-GPU 5 h job is wider than that and too long to borrow;
+    # the others keep the cluster busy with short jobs. It must still start long before the stream ends.
+    stream = [job(100 + i, 1, submit=float(i * 60), duration=1800.0, tenant=f"t{i % 9}") for i in range(400)]
+    big = job(0, 8, submit=30.0, duration=5 * 3600.0, tenant="b")
+    s = starts_of(FairShare(), [big, *stream], hosts=4, gpus=8)
+    assert s[0] < 3600.0
+
+
+def test_reservations_for_several_tenants_below_their_share():
+    # Two tenants each wait with a 4-GPU job behind a stream of 1-GPU jobs of a third: both are reserved a host
+    # and start when their hosts drain, neither waits for the stream to end.
+    stream = [job(100 + i, 1, submit=float(i), duration=50.0, tenant="c") for i in range(300)]
+    jobs = [*stream, job(1, 4, submit=0.5, duration=10.0, tenant="a"), job(2, 4, submit=0.5, duration=10.0, tenant="b")]
+    s = starts_of(FairShare(), jobs, hosts=2, gpus=4)
+    assert s[1] <= 51.0 and s[2] <= 51.0
+
