@@ -508,11 +508,12 @@ def publish_report_artifacts(ledger: Ledger, flow_run_id: str, *, client: Any = 
     day = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).date()
     start = datetime.combine(day, dtime.min, tzinfo=timezone.utc)
     day_rows = usage_rows(ledger, since=start, until=start + timedelta(days=1))
-    names = prefect_flow_names(client, {r.flow_run_id for r in day_rows if r.flow == UNKNOWN_FLOW and r.flow_run_id}
-                               | {flow_run_id})
-    day_rows = [r.model_copy(update={"flow": names.get(r.flow_run_id or "", r.flow)}) for r in day_rows]
-    run_rows = [r.model_copy(update={"flow": names.get(r.flow_run_id or "", r.flow)})
-                for r in usage_rows(ledger, flow_run_id=flow_run_id)]
+    run_rows = usage_rows(ledger, flow_run_id=flow_run_id)
+    unnamed = {r.flow_run_id for r in [*day_rows, *run_rows] if r.flow == UNKNOWN_FLOW and r.flow_run_id}
+    if unnamed:  # evidence written before settlements named their flow: ask Prefect (one round trip)
+        names = prefect_flow_names(client, unnamed)
+        day_rows = [r.model_copy(update={"flow": names.get(r.flow_run_id or "", r.flow)}) for r in day_rows]
+        run_rows = [r.model_copy(update={"flow": names.get(r.flow_run_id or "", r.flow)}) for r in run_rows]
     keys = (flow_run_key(flow_run_id), day_key(day))
     client.create_artifact(ArtifactCreate(
         key=keys[0], type="markdown", flow_run_id=UUID(str(flow_run_id)),
