@@ -114,3 +114,24 @@ def test_nightly_deployment_suspends_for_approval_and_resumes_on_its_worker(demo
         added = sum(h["charged"] or 0 for h in holds if h["task_run_id"] in promoted and (h["budget"], h["period"]) == key)
         assert a["posted"] == pytest.approx(charged_before.get(key, 0.0) + added, abs=1e-6), a
     assert ledger.verify().ok
+
+
+def test_a_rejected_suspended_run_resumes_without_its_promotion_and_charges_nothing_for_it(demo):
+    flow_run = demo.run(NIGHTLY)
+    assert demo.wait(flow_run, {"Suspended"}, timeout=300)[1] == "Suspended"
+    ledger = Ledger(f"sqlite:///{demo.home / 'ledger.db'}")
+    (waiting,) = [json.loads(line) for line in _aisched(demo, "approvals", "list", "--json").splitlines()]
+    _aisched(demo, "reject", waiting["task_run_id"][:8], "--as", "alice", "--reason", "eval regressed")
+
+    kind, name = demo.wait(flow_run, {"Completed"}, timeout=300)
+    assert kind == "COMPLETED", f"resumed run ended {name}:\n{(demo.home / 'worker.log').read_text()[-4000:]}"
+    records = ledger.records()
+    decision = [r.payload for r in records if r.kind == "approval"]
+    assert len(decision) == 1 and decision[0]["approved"] is False and decision[0]["approver"] == "alice"
+    assert "eval regressed" in decision[0]["reason"]
+    promotion = [r for r in records if r.payload.get("task") == "promote_to_registry"]
+    assert not [r for r in promotion if r.kind in ("admission", "settlement")], "a rejected promotion never runs"
+    holds = [h for h in ledger.history(limit=1000) if h["task_run_id"] in {r.task_run_id for r in promotion}]
+    assert holds and {h["status"] for h in holds} == {"voided"} and all(not h["charged"] for h in holds)
+    assert not (demo.home / "examples" / "registry").exists() or not any((demo.home / "examples" / "registry").iterdir())
+    assert ledger.verify().ok
