@@ -7,6 +7,7 @@ estimates; jobs run for their real duration.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ class Outcome:
     utilization: float
     jain: float
     decision_p99_ms: float
+    preempted: int = 0  # runs stopped to give borrowed GPUs back (requeued, restarted from the beginning)
+    wasted_gpu_hours: float = 0.0  # what those runs had done when stopped
     timeline: list[tuple[float, int, int]] = field(default_factory=list, repr=False)  # (t, busy GPUs, queued jobs)
 
     @property
@@ -51,8 +54,14 @@ def jain(values: list[float]) -> float:
     return (sum(values) ** 2) / (len(values) * sum(v * v for v in values)) if values and any(values) else 1.0
 
 
-def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts: int, gpus_per_host: int) -> Outcome:
-    """Replay `jobs` (their real run times in `durations`) through `policy` on hosts x gpus_per_host."""
+def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts: int, gpus_per_host: int,
+             resume_preempted: bool = False) -> Outcome:
+    """Replay `jobs` (their real run times in `durations`) through `policy` on hosts x gpus_per_host.
+
+    A run the policy preempts is submitted again: from the beginning, or with
+    `resume_preempted` from where it stopped (a task that checkpoints).
+    """
+    remaining = dict(durations)
     state = ClusterState(free=[gpus_per_host] * hosts)
     capacity = hosts * gpus_per_host
     events: list[tuple[float, int, int, object]] = []  # (time, 0 = end / 1 = submit, seq, payload)
@@ -69,6 +78,8 @@ def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts
     fair: dict[str, float] = {}
     timeline: list[tuple[float, int, int]] = []
     decisions: list[float] = []
+    stopped: set[int] = set()  # ids of Running entries preempted before their end event
+    preempted, wasted = 0, 0.0
     now = t0
     while events:
         t = events[0][0]
@@ -87,6 +98,9 @@ def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts
             if kind == 0:
                 run = payload
                 assert isinstance(run, Running)
+                if id(run) in stopped:  # preempted earlier: this end never happens
+                    stopped.discard(id(run))
+                    continue
                 state.running.remove(run)
                 state.free[run.host] += run.job.gpus
                 running_gpus[run.job.tenant] -= run.job.gpus
@@ -97,6 +111,20 @@ def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts
                 policy.submit(job, state)
                 waiting_gpus[job.tenant] = waiting_gpus.get(job.tenant, 0.0) + job.gpus
         t_dec = time.perf_counter()
+        for run in policy.preempt(now, state):
+            state.running.remove(run)
+            state.free[run.host] += run.job.gpus
+            running_gpus[run.job.tenant] -= run.job.gpus
+            waiting_gpus[run.job.tenant] += run.job.gpus
+            stopped.add(id(run))
+            preempted += 1
+            job = run.job
+            if resume_preempted:  # it keeps what it did and says how much is left
+                remaining[job.id] -= now - run.start
+                job = dataclasses.replace(job, estimate=max(job.estimate - (now - run.start), 0.0))
+            else:
+                wasted += job.gpus * (now - run.start)
+            policy.submit(job, state)  # requeued
         starts = policy.schedule(now, state)
         decisions.append(time.perf_counter() - t_dec)
         if min(state.free) < 0:
@@ -107,7 +135,7 @@ def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts
             started[s.job.id] = now
             waiting_gpus[s.job.tenant] -= s.job.gpus
             running_gpus[s.job.tenant] = running_gpus.get(s.job.tenant, 0.0) + s.job.gpus
-            heapq.heappush(events, (now + durations[s.job.id], 0, seq, run))
+            heapq.heappush(events, (now + remaining[s.job.id], 0, seq, run))
             seq += 1
         timeline.append((now - t0, capacity - sum(state.free), policy.waiting()))
     if len(ended) != len(jobs):
@@ -123,4 +151,5 @@ def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts
         mean_wait=sum(started[j.id] - j.submit for j in jobs) / len(jobs),
         utilization=work / (capacity * makespan), jain=jain(ratios),
         decision_p99_ms=1000 * decisions[min(len(decisions) - 1, int(0.99 * len(decisions)))], timeline=timeline,
+        preempted=preempted, wasted_gpu_hours=wasted / 3600,
     )

@@ -12,6 +12,7 @@ needs its GPUs on one Dask worker); how many is printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import csv
 import json
 import sys
@@ -83,6 +84,10 @@ def main() -> None:
     p.add_argument("--max-duration", type=float, default=None, help="seconds; longer jobs are clipped or dropped")
     p.add_argument("--long", choices=["clip", "drop"], default="clip")
     p.add_argument("--tenants", type=int, default=None, help="keep the N busiest tenants (by GPU-seconds)")
+    p.add_argument("--preemptible", choices=["none", "restart", "resume"], default="none",
+                   help="what-if: mark every job preemptible (the trace's jobs are not), so our policy may stop "
+                        "borrowed runs to give a tenant its quota back; stopped runs restart from the beginning "
+                        "(restart) or go on from where they stopped (resume: tasks that checkpoint)")
     p.add_argument("--json", action="store_true", help="one JSON object per policy instead of the table")
     p.add_argument("--plot", type=Path, default=None, help="write GPU utilisation and queue length over time (PNG)")
     args = p.parse_args()
@@ -92,10 +97,13 @@ def main() -> None:
     jobs, durations, dropped = load(args.trace, args.start, args.end, args.gpus, args.max_duration, args.long, args.tenants)
     if not jobs:
         sys.exit("no jobs in that slice: widen --start/--end")
+    if args.preemptible != "none":
+        jobs = [dataclasses.replace(j, preemptible=True) for j in jobs]
     capacity = args.hosts * args.gpus
     offered = sum(j.gpus * durations[j.id] for j in jobs) / (capacity * (_epoch(args.end) - _epoch(args.start)))
     policies = [PlainDask(args.hosts), Fifo(), EasyBackfill(), FairShare()]
-    outcomes: list[Outcome] = [simulate(jobs, durations, policy, args.hosts, args.gpus) for policy in policies]
+    outcomes: list[Outcome] = [simulate(jobs, durations, policy, args.hosts, args.gpus,
+                                        resume_preempted=args.preemptible == "resume") for policy in policies]
     if args.json:
         for o in outcomes:
             print(json.dumps({k: v for k, v in vars(o).items() if k != "timeline"} | {"makespan_ratio": o.makespan_ratio,
@@ -109,6 +117,10 @@ def main() -> None:
             print(f"{o.policy:<14} {_hours(o.makespan):>10} {o.makespan_ratio:>6.3f} {_hours(o.mean_jct):>10} "
                   f"{_hours(o.p95_jct):>10} {_hours(o.mean_wait):>10} {o.utilization:>6.1%} {o.jain:>6.3f} "
                   f"{o.decision_p99_ms:>9.2f}ms")
+        for o in outcomes:
+            if o.preempted:
+                print(f"{o.policy}: preempted {o.preempted} runs ({args.preemptible}), "
+                      f"{o.wasted_gpu_hours:.1f} GPU-hours of their work lost")
     if args.plot:
         plot(outcomes, args.plot)
 

@@ -38,6 +38,7 @@ class Job:
     estimate: float
     priority: int = 0
     hosts: frozenset[int] | None = None  # the hosts it may run on; None: any
+    preemptible: bool = False  # may be stopped (charged for what ran) and requeued to give GPUs back
 
 
 @dataclass(slots=True)
@@ -92,6 +93,10 @@ class Policy:
 
     def schedule(self, now: float, state: ClusterState) -> list[Start]:
         raise NotImplementedError
+
+    def preempt(self, now: float, state: ClusterState) -> list[Running]:
+        """Running jobs to stop now; the driver stops them and submits them again. None by default."""
+        return []
 
     def waiting(self) -> int:
         raise NotImplementedError
@@ -278,6 +283,9 @@ class FairShare(EasyBackfill):
     of them, and (`strict`) while one stands a tenant above its fair share
     starts nothing that would end after it. `headroom` GPUs are kept free for
     tenants that run nothing, so a newcomer's small job starts at once.
+    Preemptible jobs may borrow for any length of time: when a tenant's best
+    waiting job fits its quota but no host, `preempt` stops preemptible runs
+    of tenants above their quota to give it back (reclaim, as Kueue cohorts).
     Priority comes before all.
 
     Per-tenant queues are kept sorted (a job's rank within its tenant does
@@ -312,7 +320,7 @@ class FairShare(EasyBackfill):
     def submit(self, job: Job, state: ClusterState) -> None:
         bisect.insort(self.queues.setdefault(job.tenant, []), (self._key(job), job.id, job))
         self.waiting_gpus[job.tenant] = self.waiting_gpus.get(job.tenant, 0.0) + job.gpus
-        self.last_submit[job.tenant] = job.submit
+        self.last_submit[job.tenant] = max(job.submit, self.last_submit.get(job.tenant, job.submit))
         self.count += 1
 
     def remove(self, jobs: list[Job]) -> None:
@@ -339,12 +347,55 @@ class FairShare(EasyBackfill):
 
     def may_start(self, job: Job, now: float, state: ClusterState, alloc: dict[str, float],
                   capacity: int | None = None) -> bool:
-        """Within its quota a tenant runs anything; beyond it (borrowing idle GPUs) only work that ends soon."""
+        """Within its quota a tenant runs anything; beyond it (borrowing idle GPUs) only work that ends soon,
+        or work that may be preempted when the owner of the quota wants it back."""
         used = alloc.get(job.tenant, 0.0)
-        if self.borrow_seconds is None or used == 0 or used + job.gpus <= self.quota(
+        if self.borrow_seconds is None or used == 0 or job.preemptible or used + job.gpus <= self.quota(
                 job.tenant, now, state.capacity if capacity is None else capacity):
             return True
         return job.estimate <= self.borrow_seconds
+
+    def preempt(self, now: float, state: ClusterState) -> list[Running]:
+        """Reclaim (as Kueue's cohorts do): a tenant whose best waiting job fits within its quota but on no
+        host gets GPUs back from preemptible jobs of tenants above their quota (borrowers), on the host
+        where that loses the least work (most recently started first)."""
+        if not any(r.job.preemptible for r in state.running):
+            return []
+        capacity = state.capacity
+        alloc: dict[str, float] = {}
+        for r in state.running:
+            alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
+        victims: list[Running] = []
+        for tenant, q in self.queues.items():
+            if not q:
+                continue
+            head = q[0][2]
+            used = alloc.get(tenant, 0.0)
+            if used + head.gpus > self.quota(tenant, now, capacity) or best_fit(state.free, head.gpus, allowed=head.hosts) is not None:
+                continue
+            best: tuple[float, list[Running]] | None = None
+            for h, free in enumerate(state.free):
+                if head.hosts is not None and h not in head.hosts:
+                    continue
+                borrowed = sorted((r for r in state.running if r.host == h and r.job.preemptible and r not in victims
+                                   and alloc.get(r.job.tenant, 0.0) > self.quota(r.job.tenant, now, capacity)),
+                                  key=lambda r: -r.start)
+                chosen: list[Running] = []
+                for r in borrowed:
+                    if free >= head.gpus:
+                        break
+                    chosen.append(r)
+                    free += r.job.gpus
+                if free >= head.gpus and chosen:
+                    lost = sum(r.job.gpus * (now - r.start) for r in chosen)
+                    if best is None or lost < best[0]:
+                        best = (lost, chosen)
+            if best is not None:
+                for r in best[1]:
+                    victims.append(r)
+                    alloc[r.job.tenant] -= r.job.gpus
+                alloc[tenant] = used + head.gpus
+        return victims
 
     def _charge(self, now: float, state: ClusterState) -> None:
         dt = 0.0 if self.usage_at is None else max(now - self.usage_at, 0.0)

@@ -145,3 +145,23 @@ def test_reservations_for_several_tenants_below_their_share():
     s = starts_of(FairShare(), jobs, hosts=2, gpus=4)
     assert s[1] <= 51.0 and s[2] <= 51.0
 
+
+
+def test_a_tenant_reclaims_its_quota_from_preemptible_borrowed_runs_only():
+    # a alone fills 2 hosts x 4 GPUs with long runs (it borrows b's quota); b arrives with a 4-GPU job.
+    from dataclasses import replace
+
+    def case(preemptible: bool, resume: bool = False):
+        borrowed = [replace(job(i, 1, submit=0.0, duration=1000.0, tenant="a"), preemptible=preemptible) for i in range(8)]
+        b = job(99, 4, submit=10.0, duration=50.0, tenant="b")
+        out = simulate([*borrowed, b], {j.id: j.estimate for j in [*borrowed, b]}, FairShare(headroom=0), 2, 4,
+                       resume_preempted=resume)
+        return out, starts_of(FairShare(headroom=0), [*borrowed, b], hosts=2, gpus=4)
+
+    out, starts = case(preemptible=False)
+    assert out.preempted == 0 and starts[99] == 1000.0  # nothing may be stopped: b waits for a's runs to end
+    out, starts = case(preemptible=True)
+    assert starts[99] == 10.0 and out.preempted == 4  # four of a's runs on one host give b its quota back
+    assert out.wasted_gpu_hours == pytest.approx(4 * 10.0 / 3600)  # they had run 10 s each, restarted
+    resumed, _ = case(preemptible=True, resume=True)
+    assert resumed.wasted_gpu_hours == 0 and resumed.makespan < out.makespan  # a task that checkpoints loses nothing
