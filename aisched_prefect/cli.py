@@ -195,6 +195,7 @@ def grants_add_root(
     gpu_types: str = typer.Option("*", "--gpu-types", help="Comma-separated GPU types, or *."),
     max_gpus: int = typer.Option(..., "--max-gpus"),
     max_cost: float = typer.Option(..., "--max-cost", help="Max cost per run."),
+    max_priority: int = typer.Option(0, "--max-priority", help="Highest queue priority its runs may take (0-100)."),
     expires: Optional[datetime] = typer.Option(None, help="Expiry (ISO 8601, UTC unless given)."),
     can_delegate: bool = typer.Option(False, "--can-delegate"),
     can_approve: bool = typer.Option(False, "--can-approve"),
@@ -211,7 +212,7 @@ def grants_add_root(
         raise typer.Exit(1)
     grant = Grant(id=id, principal=principal, kinds=_names(kinds) or ["*"], models=_names(models) or ["*"],
                   gpu_types=_names(gpu_types) or ["*"], max_gpus=max_gpus, max_cost_per_run=max_cost,
-                  expires_at=expires, can_delegate=can_delegate, can_approve=can_approve)
+                  max_priority=max_priority, expires_at=expires, can_delegate=can_delegate, can_approve=can_approve)
     AuthorityBlock(grants=[*block.grants, grant]).save(authority, overwrite=True)
     console.print(f"added root grant [bold]{id}[/bold] for {principal} to AuthorityBlock {authority!r}")
 
@@ -229,6 +230,7 @@ def grants_delegate(
     max_gpus: Optional[int] = typer.Option(None, "--max-gpus"),
     max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Max cost per run."),
     budget_share: Optional[float] = typer.Option(None, "--budget-share"),
+    max_priority: Optional[int] = typer.Option(None, "--max-priority", help="Highest queue priority, within the parent's."),
     expires: Optional[datetime] = typer.Option(None, help="Expiry (ISO 8601, UTC unless given)."),
     can_delegate: bool = typer.Option(False, "--can-delegate"),
     can_approve: bool = typer.Option(False, "--can-approve"),
@@ -239,7 +241,8 @@ def grants_delegate(
     from blocks import ChainBroken, DelegationRefused
 
     given = {"kinds": _names(kinds), "models": _names(models), "gpu_types": _names(gpu_types), "max_gpus": max_gpus,
-             "max_cost_per_run": max_cost, "budget_share": budget_share, "expires_at": expires}
+             "max_cost_per_run": max_cost, "budget_share": budget_share, "max_priority": max_priority,
+             "expires_at": expires}
     dims = {k: v for k, v in given.items() if v is not None}
     try:
         child = delegate_grant(parent, id=id, principal=to, by=by, authority=authority, ledger=Ledger(ledger),

@@ -95,6 +95,7 @@ class Admission(BaseModel):
     expires_at: float | None  # the earliest expiry in the chain: expiry stops the run like revocation
     facts: RunFacts
     shares: dict[str, float] = {}  # grant id -> budget_share, for grants of the chain that cap their share
+    priority: int = 0  # the request's priority, capped by every grant of its chain
 
 
 @dataclass
@@ -479,6 +480,7 @@ class RunnerSession:
                    f"add or widen a grant for {self.config.principal!r} in AuthorityBlock {self.authority_name!r}")
             raise self._deny("authority", refusal, fix, payload, ids) from None
         grant_id = payload["grant"] = chain[-1].id
+        priority = payload["priority"] = min([request.priority, *(g.max_priority for g in chain)])
         payload["chain"] = [g.id for g in chain]
         payload["grant_versions"] = {g.id: _version(g) for g in chain}
         outcome = self.policy.evaluate(facts) if self.policy else None
@@ -530,6 +532,7 @@ class RunnerSession:
         )
         return Admission(ticket=ticket, workers=workers, holds=held, reserved=estimate.amount,
                          priced_type=estimate.gpu_type_priced, chain=payload["chain"], facts=facts, shares=shares,
+                         priority=priority,
                          expires_at=min((utc(g.expires_at).timestamp() for g in chain if g.expires_at), default=None))
 
     def _lines(self, facts: RunFacts, usage: Usage, shares: dict[str, float]) -> list[BudgetLine]:
@@ -668,7 +671,7 @@ class RunnerSession:
         """Wait in the cluster's one queue (a scheduler plugin) for the worker this run may start on now."""
         sched = self.client.scheduler
         state.queue_id = self.client.sync(sched.gpu_queue_enter, tenant=self.tenant, gpus=int(request.gpus),
-                                          estimate=request.est_seconds, priority=request.priority,
+                                          estimate=request.est_seconds, priority=admission.priority,
                                           workers=admission.workers, client=self.client.id)
         worker = self.client.sync(sched.gpu_queue_wait, id=state.queue_id)
         state.placed = worker is not None

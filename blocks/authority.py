@@ -29,6 +29,7 @@ class Grant(BaseModel):
     expires_at: datetime | None = Field(default=None, description="After this instant the grant authorizes nothing.")
     revoked: bool = Field(default=False, description="A revoked grant authorizes nothing.")
     budget_share: float = Field(default=1.0, ge=0, le=1, description="Largest share of each covering budget this grant's runs may hold, from 0 to 1.")
+    max_priority: int = Field(default=0, ge=0, le=100, description="Highest queue priority its runs may take; a request asking more is capped to it.")
     can_delegate: bool = Field(default=False, description="Whether the holder may delegate narrower grants to others.")
     can_approve: bool = Field(default=False, description="Whether the holder may approve runs within this grant's scope.")
     parent: str | None = Field(default=None, description="Id of the grant this one was delegated from; empty for a root grant.")

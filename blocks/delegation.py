@@ -2,7 +2,7 @@
 
 Pure functions on grants. Each dimension narrows independently: kinds, models
 and GPU types (a subset; '*' only under '*'), max GPUs, max cost per run,
-budget share, expiry (no later; never 'no expiry' under an expiring parent),
+budget share, max priority, expiry (no later; never 'no expiry' under an expiring parent),
 and the rights to delegate further and to approve (only if the parent has
 them). Anything wider is refused, naming the dimension.
 """
@@ -15,7 +15,7 @@ from typing import Any
 from blocks.authority import ANY, Grant, utc
 
 _SETS = ("kinds", "models", "gpu_types")
-_NUMBERS = ("max_gpus", "max_cost_per_run", "budget_share")
+_NUMBERS = ("max_gpus", "max_cost_per_run", "budget_share", "max_priority")
 _RIGHTS = ("can_delegate", "can_approve")
 
 

@@ -77,6 +77,13 @@ def test_a_wider_delegation_is_refused_with_the_dimension_named(root, attempt):
     assert refused.value.dimension in str(refused.value)
 
 
+def test_a_delegated_grant_may_not_raise_the_priority_cap():
+    root = Grant(id="r", principal="team-a/*", max_gpus=4, max_cost_per_run=10.0, max_priority=5, can_delegate=True)
+    assert delegate(root, id="c", principal="team-a/x", max_priority=2).max_priority == 2
+    with pytest.raises(DelegationRefused, match=r"\(max_priority\).*9 is above the parent's 5"):
+        delegate(root, id="c", principal="team-a/x", max_priority=9)
+
+
 def test_what_a_parent_may_not_delegate():
     root = Grant(id="root", principal="team-a/*", max_gpus=4, max_cost_per_run=10, can_delegate=True)
     with pytest.raises(DelegationRefused, match=r"\(max_gpus\).*8 is above the parent's 4"):

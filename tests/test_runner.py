@@ -324,3 +324,17 @@ def test_logs_from_the_task_body_reach_its_prefect_task_run(gpu_cluster, sqlite_
         messages = [log.message for log in logs]
         time.sleep(0.5)
     assert any(m.startswith("working on device ") for m in messages), messages
+
+
+def test_a_requests_priority_is_capped_by_its_grant(gpu_cluster, sqlite_url):
+    @ai_task(gpus=1, kind="inference", est_seconds=5, priority=50)
+    def urgent():
+        return "ok"
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=authority(max_priority=5)))
+    def asks_for_more():
+        return urgent()
+
+    assert asks_for_more() == "ok"
+    (admission,) = [r for r in Ledger(sqlite_url).records() if r.kind == "admission"]
+    assert admission.payload["request"]["priority"] == 50 and admission.payload["priority"] == 5
