@@ -386,7 +386,8 @@ class RunnerSession:
             flow_version: str | None = None, run_key: str | None = None) -> Any:
         """Admit one call of an AI task, run it on its devices, settle it; return its result.
 
-        `run_key` names the call within its flow run across re-runs (flow run, task key, dynamic key).
+        `run_key` names the task within its flow run across re-runs (flow run, task key): the
+        approval digest binds to it, not to the task run id, which a resumed suspended run changes.
         """
         self.flow_run_ids.add(flow_run_id)
         ids = {"flow_run_id": flow_run_id, "task_run_id": task_run_id, "principal": self.config.principal}
