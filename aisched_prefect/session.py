@@ -165,7 +165,7 @@ class RunnerSession:
                 self.client = Client(self.cluster, set_as_default=False)
             self._refresh_inventories()
             if config.queue:
-                install_queue(self.client)
+                install_queue(self.client, weights=self.cluster_settings.tenant_weights if self.cluster_settings else None)
             self.signer = TicketSigner()
             self.signer.register(self.client)
         except BaseException:

@@ -1,4 +1,4 @@
-"""Settings of the cluster a team shares: limits on model calls (and, later, the queue's quotas)."""
+"""Settings of the cluster a team shares: limits on model calls, and the queue's tenant weights."""
 
 from __future__ import annotations
 
@@ -55,6 +55,17 @@ cluster = ClusterBlock.load("BLOCK_NAME")
 '''
 
     model_limits: list[ModelLimit] = Field(default_factory=list, description="Per-model concurrency and rate limits; the first that matches applies.")
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Weighted fair share in the cluster's queue (runner queue=True): a tenant's share and quota are its "
+                    "weight's part among the tenants active lately; a tenant not listed weighs 1.")
+
+    @model_validator(mode="after")
+    def _positive_weights(self) -> "ClusterBlock":
+        bad = {t: w for t, w in self.tenant_weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant_weights {bad}: every weight must be above 0 (leave a tenant out to weigh 1)")
+        return self
 
     def limit_for(self, model: str | None) -> ModelLimit | None:
         if model is None:

@@ -131,7 +131,13 @@ class GPUQueuePlugin(SchedulerPlugin):
 
     def status(self) -> dict[str, Any]:
         return {"queued": self.policy.waiting(), "running": len(self.running),
-                "free": dict(zip(self.addresses, self.state.free))}
+                "free": dict(zip(self.addresses, self.state.free)), "weights": dict(getattr(self.policy, "weights", {}))}
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """Tenant weights for a weighted policy (the ClusterBlock's, as the latest flow run to start read them)."""
+        if hasattr(self.policy, "weights"):
+            self.policy.weights = dict(weights)
+            self._dispatch()
 
     # -- policy -------------------------------------------------------------------------
     def _drop_running(self, jid: int, free: bool = True) -> None:
@@ -157,15 +163,23 @@ class GPUQueuePlugin(SchedulerPlugin):
             self._answer(job.id, self.addresses[start.host])
 
 
-async def _install(dask_scheduler: Any, policy: Policy | None) -> bool:
+async def _install(dask_scheduler: Any, policy: Policy | None, weights: dict[str, float] | None) -> bool:
     if PLUGIN_NAME in dask_scheduler.plugins:
+        if weights is not None:
+            dask_scheduler.plugins[PLUGIN_NAME].set_weights(weights)
         return False
     plugin = GPUQueuePlugin(policy)
     dask_scheduler.add_plugin(plugin, name=PLUGIN_NAME)  # no await before this line: two installs cannot race
+    if weights is not None:
+        plugin.set_weights(weights)
     await plugin.start(dask_scheduler)
     return True
 
 
-def install_queue(client: Client, policy: Policy | None = None) -> bool:
-    """Put the queue on the cluster's scheduler once; later calls (other flow runs) keep the one there."""
-    return client.run_on_scheduler(_install, policy=policy)
+def install_queue(client: Client, policy: Policy | None = None, weights: dict[str, float] | None = None) -> bool:
+    """Put the queue on the cluster's scheduler once; later calls (other flow runs) keep the one there.
+
+    `weights` (tenant -> weight) replace the queue's tenant weights on every call, so an edit of the
+    ClusterBlock applies from the next flow run that starts.
+    """
+    return client.run_on_scheduler(_install, policy=policy, weights=weights)

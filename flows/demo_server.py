@@ -62,6 +62,15 @@ class DemoServer:
         (self.home / f"{name}.pid").write_text(str(proc.pid))
         return proc
 
+    def running(self, name: str) -> bool:
+        """Whether the process this demo started as `name` is still alive."""
+        pid_file = self.home / f"{name}.pid"
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            return True
+        except (OSError, ValueError):
+            return False
+
     def healthy(self) -> bool:
         try:
             return httpx.get(f"{self.api}/health", timeout=2).status_code == 200
@@ -88,7 +97,8 @@ class DemoServer:
         done = self._prefect("--no-prompt", "deploy", "--all", check=False)
         if done.returncode != 0:
             raise RuntimeError(f"prefect deploy failed:\n{done.stdout}\n{done.stderr}")
-        self._spawn("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL])
+        if not self.running("worker"):  # `up` twice must not leave a second worker nobody stops
+            self._spawn("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL])
         (self.home / "demo-server.env").write_text("".join(
             f"export {k}={self.env()[k]}\n" for k in ("PREFECT_API_URL", "PREFECT_HOME", "AISCHED_HOME")))
 

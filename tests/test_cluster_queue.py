@@ -133,3 +133,20 @@ victim()
         return [f.result() for f in train.map(range(2))]
 
     assert len(survivor()) == 2
+
+
+def test_the_cluster_blocks_tenant_weights_reach_the_queue(gpu_cluster, dask_client, sqlite_url):
+    from blocks import ClusterBlock
+    from dask_gpu import install_queue
+
+    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, queue=True,
+                             cluster=ClusterBlock(tenant_weights={"team-a": 3.0, "team-b": 0.5})))
+    def weighted():
+        return train(0)
+
+    try:
+        weighted()
+        assert status(dask_client)["weights"] == {"team-a": 3.0, "team-b": 0.5}
+    finally:
+        install_queue(dask_client, weights={})  # the cluster is shared by the other tests
+    assert status(dask_client)["weights"] == {}

@@ -68,3 +68,10 @@ def test_other_models_and_kinds_are_not_limited(gpu_cluster, sqlite_url):
 def test_a_limit_that_limits_nothing_names_its_fields():
     with pytest.raises(ValidationError, match="set concurrency, per_minute, or both"):
         ModelLimit(model="gpt-*")
+
+
+def test_a_tenant_weight_of_zero_is_refused_naming_the_field():
+    from blocks import ClusterBlock
+
+    with pytest.raises(ValidationError, match=r"tenant_weights \{'team-b': 0\.0\}: every weight must be above 0"):
+        ClusterBlock(tenant_weights={"team-a": 2.0, "team-b": 0.0})

@@ -165,3 +165,12 @@ def test_a_tenant_reclaims_its_quota_from_preemptible_borrowed_runs_only():
     assert out.wasted_gpu_hours == pytest.approx(4 * 10.0 / 3600)  # they had run 10 s each, restarted
     resumed, _ = case(preemptible=True, resume=True)
     assert resumed.wasted_gpu_hours == 0 and resumed.makespan < out.makespan  # a task that checkpoints loses nothing
+
+
+def test_weights_give_a_tenant_its_weighted_share():
+    # Two tenants each queue four long 1-GPU runs on 4 GPUs; a weighs 3, b 1: a gets three GPUs, b one.
+    jobs = [job(i, 1, duration=100.0, tenant="a") for i in range(4)] + [job(10 + i, 1, duration=100.0, tenant="b")
+                                                                        for i in range(4)]
+    starts = starts_of(FairShare(weights={"a": 3.0}, headroom=0), jobs)
+    at_once = [j.tenant for j in jobs if starts[j.id] == 0.0]
+    assert sorted(at_once) == ["a", "a", "a", "b"]
