@@ -113,7 +113,7 @@ class _Running:
     started_at: float | None = None  # monotonic, when its worker gave it devices (asked only once it matters)
     top_up_refused: str | None = None
     stop_reason: str | None = None
-    queue_id: int | None = None  # its place in the cluster's queue (runner queue=True), until it is placed
+    queue_id: str | None = None  # its key in the cluster's queue (runner queue=True), until it leaves
     placed: bool = False
     asked: set[float] = field(default_factory=set)
 
@@ -670,11 +670,10 @@ class RunnerSession:
 
     def _wait_in_queue(self, state: _Running, request: AIRequest, admission: Admission) -> str | None:
         """Wait in the cluster's one queue (a scheduler plugin) for the worker this run may start on now."""
-        sched = self.client.scheduler
-        state.queue_id = self.client.sync(sched.gpu_queue_enter, tenant=self.tenant, gpus=int(request.gpus),
-                                          estimate=request.est_seconds, priority=admission.priority,
-                                          workers=admission.workers, client=self.client.id)
-        worker = self.client.sync(sched.gpu_queue_wait, id=state.queue_id)
+        state.queue_id = uuid.uuid4().hex  # known before the call, so a stop can take it out of the queue
+        worker = self.client.sync(self.client.scheduler.gpu_queue_run, key=state.queue_id, tenant=self.tenant,
+                                  gpus=int(request.gpus), estimate=request.est_seconds, priority=admission.priority,
+                                  workers=admission.workers, client=self.client.id)
         state.placed = worker is not None
         if worker is None:
             state.queue_id = None

@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--gpus-per-worker", default="4 GPUs, 80 GB, H100")
+    parser.add_argument("--queue", action="store_true",
+                        help="also time AISchedTaskRunner(queue=True): every run waits in the cluster's one queue")
     args = parser.parse_args()
     n = args.tasks
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -118,16 +120,22 @@ def main() -> None:
                     return sum(f.result() for f in fn.map(range(n)))
                 return bench_flow
 
-            aisched = AISchedTaskRunner(
-                principal="bench/flow", address=address, ledger_url=ledger_url,
-                authority=AuthorityBlock(grants=[Grant(id="bench", principal="bench/*", max_gpus=1, max_cost_per_run=1)]),
-                budget=BudgetBlock(limit=1_000_000, gpu_hour_prices={"*": 1.0}),
-            )
+            def aisched_runner(queue: bool = False) -> AISchedTaskRunner:
+                return AISchedTaskRunner(
+                    principal="bench/flow", address=address, ledger_url=ledger_url, queue=queue,
+                    authority=AuthorityBlock(grants=[Grant(id="bench", principal="bench/*", max_gpus=1, max_cost_per_run=1)]),
+                    budget=BudgetBlock(limit=1_000_000, gpu_hour_prices={"*": 1.0}),
+                )
+
+            aisched = aisched_runner()
             results = {
                 "ThreadPoolTaskRunner": timed(lambda: make(ThreadPoolTaskRunner(), trivial), n, args.repeats),
                 "AISchedTaskRunner (admission on)": timed(lambda: make(aisched, trivial_ai), n, args.repeats),
                 "prefect-dask DaskTaskRunner": timed(lambda: make(DaskTaskRunner(address=address), trivial), n, args.repeats),
             }
+            if args.queue:
+                queued = aisched_runner(queue=True)
+                results["AISchedTaskRunner (queue=True)"] = timed(lambda: make(queued, trivial_ai), n, args.repeats)
     records = Ledger(ledger_url).verify().records
     print(f"\n{n} trivial tasks per flow, same Dask cluster ({args.workers} workers x {args.gpus_per_worker}), {os.cpu_count()} cores")
     for name, seconds in results.items():
@@ -136,6 +144,8 @@ def main() -> None:
                            results["ThreadPoolTaskRunner"])
     print(f"  AISched / prefect-dask     = {ours / dask:.3f}   (target <= 0.20)")
     print(f"  AISched / ThreadPool       = {ours / threads:.3f}   (target <= 2.0)")
+    if "AISchedTaskRunner (queue=True)" in results:
+        print(f"  queue=True / admission on  = {results['AISchedTaskRunner (queue=True)'] / ours:.3f}")
     print(f"  evidence records written: {records} (2 per AI task run; chain verified)")
 
 

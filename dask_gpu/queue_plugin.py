@@ -8,10 +8,11 @@ entries are dropped and the GPUs it held are offered to the others at once.
 cost a database round trip and polling; Prefect's concurrency limits have no
 order, priority or fairness.)
 
-A client asks once per run (`enter`): the call returns the worker the run
-must go to, when the policy starts it. The client submits it there with
-`workers=[...]`, so Dask never holds a GPU task that waits behind another, and
-tells the plugin when it ended (`leave`).
+A client asks once per run (`run`, one round trip under a key the client
+chose): the call returns the worker the run must go to, when the policy starts
+it. The client submits it there with `workers=[...]`, so Dask never holds a GPU
+task that waits behind another, and tells the plugin when it ended (`leave`,
+by the same key; also how a run still queued is taken out).
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ class GPUQueuePlugin(SchedulerPlugin):
         self.running: dict[int, tuple[Running, str]] = {}
         self.ids = itertools.count(1)
         self.answers: dict[int, asyncio.Future] = {}  # job id -> its worker, once started (None: left the queue)
+        self.keys: dict[str, int] = {}  # the client's key of a run -> its job id, until it leaves
         self.scheduler: Any = None
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        scheduler.handlers["gpu_queue_enter"] = self.enter
-        scheduler.handlers["gpu_queue_wait"] = self.wait
+        scheduler.handlers["gpu_queue_run"] = self.run
         scheduler.handlers["gpu_queue_leave"] = self.leave
         scheduler.handlers["gpu_queue_status"] = self.status
         for address in list(scheduler.workers):
@@ -90,9 +91,18 @@ class GPUQueuePlugin(SchedulerPlugin):
         for jid, (_, c) in list(self.running.items()):
             if c == client:
                 self._drop_running(jid)
+        self.keys = {k: j for k, j in self.keys.items() if j in self.waiters or j in self.running}
         self._dispatch()
 
     # -- handlers -----------------------------------------------------------------------
+    async def run(self, key: str, tenant: str, gpus: int, estimate: float, priority: int = 0,
+                  workers: list[str] | None = None, client: str = "") -> str | None:
+        """Queue one run under the client's `key` and return the worker it must go to, once the policy
+        starts it; None if it left the queue first (`leave(key)`). One round trip per run."""
+        jid = self.enter(tenant, gpus, estimate, priority, workers, client)
+        self.keys[key] = jid
+        return await self.wait(jid)
+
     def enter(self, tenant: str, gpus: int, estimate: float, priority: int = 0,
               workers: list[str] | None = None, client: str = "") -> int:
         """Queue one run; returns its id (then `wait` for the worker it must run on)."""
@@ -119,8 +129,9 @@ class GPUQueuePlugin(SchedulerPlugin):
         finally:
             self.answers.pop(id, None)
 
-    def leave(self, id: int) -> None:
+    def leave(self, id: str) -> None:
         """A run ended (or was abandoned while queued): free its GPUs, or take it out of the queue."""
+        id = self.keys.pop(id, -1)
         if id in self.waiters:
             _, job = self.waiters.pop(id)
             self.policy.remove([job])
