@@ -281,3 +281,20 @@ def test_the_approval_hook_can_be_a_webhook(gpu_cluster, sqlite_url):
     assert out.startswith("denied: denied at approval: bob rejected the run")
     assert len(received) == 1 and received[0]["event"] == "aisched.approval.requested"
     assert received[0]["task_name"] == "finetune" and received[0]["principal"] == "team-a/nightly"
+
+
+def test_a_suspended_request_is_one_entry_across_re_runs_and_leaves_the_list_at_its_deadline(sqlite_url):
+    from aisched_prefect.approval_channel import pending
+
+    ledger = Ledger(sqlite_url)
+    asked = {"task": "promote", "approval_digest": "d" * 64, "approval_rule": "r", "estimate": {"amount": 1.0}}
+    ledger.record("approval-requested", asked, flow_run_id="fr", task_run_id="first", principal="p")
+    ledger.record("approval-suspended", {**asked, "expires_at": 1_000.0}, flow_run_id="fr", task_run_id="first")
+    assert [a.task_run_id for a in pending(ledger, now=999.0)] == ["first"]
+    assert pending(ledger, now=1_001.0) == []  # Prefect refuses to resume it now: nothing waits
+    # Resumed in time: the re-run asks again under a new task run id, with the same digest: still one entry,
+    # ended by the decision recorded for the re-run.
+    ledger.record("approval-requested", asked, flow_run_id="fr", task_run_id="second", principal="p")
+    assert [a.task_run_id for a in pending(ledger, now=999.0)] == ["first"]
+    ledger.record("approval", {**asked, "approved": True, "approver": "alice"}, flow_run_id="fr", task_run_id="second")
+    assert pending(ledger, now=999.0) == []
