@@ -34,3 +34,34 @@ def runner(address: str, ledger_url: str, **kw: Any) -> AISchedTaskRunner:
 def ask_for_training(timeout: int = 60) -> ApprovalPolicyBlock:
     return ApprovalPolicyBlock(rules=[ApprovalRule(name="training-needs-a-person", kinds=["training"])],
                                timeout_seconds=timeout)
+
+
+def resume_when_paused(answer: dict[str, Any], *, flow_name: str | None = None, flow_run_name: str | None = None,
+                       timeout: float = 60, alive: Any = None, before: Any = None) -> Any:
+    """Wait until the flow run (found by flow name or flow run name) is paused, call `before()` once, then answer
+    its form through the Prefect API as the UI does; returns the flow run id, or None if it never paused (or
+    `alive()` turned false)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterName
+    from prefect.flow_runs import resume_flow_run
+
+    filters: dict[str, Any] = (
+        {"flow_filter": FlowFilter(name=FlowFilterName(any_=[flow_name]))} if flow_name is not None
+        else {"flow_run_filter": FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name]))})
+    deadline = time.time() + timeout
+    with get_client(sync_client=True) as client:
+        while time.time() < deadline and (alive is None or alive()):
+            runs = client.read_flow_runs(**filters)
+            if runs and runs[0].state and runs[0].state.is_paused():
+                if before is not None:
+                    before, call = None, before
+                    call()
+                try:  # the form's schema is saved just after the Paused state: retry briefly
+                    resume_flow_run(runs[0].id, run_input=answer)
+                    return runs[0].id
+                except Exception:
+                    pass
+            time.sleep(0.2)
+    return None

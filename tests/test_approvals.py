@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import pytest
 from prefect import flow
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-from prefect.flow_runs import resume_flow_run
 
 from aisched_prefect import AdmissionDenied, Ledger, ai_task
-from tests.helpers import ask_for_training, runner
+from tests.helpers import ask_for_training, resume_when_paused, runner
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -36,25 +32,9 @@ def run_paused_flow(address: str, ledger_url: str, answer: dict | None, timeout:
     result: list = []
     thread = threading.Thread(target=lambda: result.append(gated()))
     thread.start()
-    flow_run_id = None
-    deadline = time.time() + 60
-    with get_client(sync_client=True) as client:
-        while time.time() < deadline and answer is not None:
-            runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])))
-            if runs and runs[0].state and runs[0].state.is_paused():
-                flow_run_id = runs[0].id
-                break
-            time.sleep(0.2)
     if answer is not None:
-        assert flow_run_id is not None, "the flow run never paused for approval"
-        if before_resume is not None:
-            before_resume()
-        for _ in range(50):  # the input schema is saved just after the Paused state
-            try:
-                resume_flow_run(flow_run_id, run_input=answer)
-                break
-            except Exception:
-                time.sleep(0.2)
+        assert resume_when_paused(answer, flow_name=name, before=before_resume) is not None, \
+            "the flow run never paused for approval"
     thread.join(timeout=120)
     assert not thread.is_alive()
     return result[0]
@@ -153,21 +133,9 @@ def test_two_identical_calls_of_one_flow_run_are_each_asked(gpu_cluster, sqlite_
     result: list = []
     thread = threading.Thread(target=lambda: result.append(gated_twice()))
     thread.start()
-    answers = [{"approve": True, "approver": "alice", "reason": "first"},
-               {"approve": False, "approver": "alice", "reason": "not twice"}]
-    with get_client(sync_client=True) as client:
-        for answer in answers:
-            deadline, answered = time.time() + 60, False
-            while not answered and time.time() < deadline:
-                runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])))
-                if runs and runs[0].state and runs[0].state.is_paused():
-                    try:
-                        resume_flow_run(runs[0].id, run_input=answer)
-                        answered = True
-                    except Exception:  # the input schema is saved just after the Paused state
-                        pass
-                time.sleep(0.2)
-            assert answered, f"the flow run never paused for {answer['reason']!r}"
+    for answer in [{"approve": True, "approver": "alice", "reason": "first"},
+                   {"approve": False, "approver": "alice", "reason": "not twice"}]:
+        assert resume_when_paused(answer, flow_name=name) is not None, f"the flow run never paused for {answer['reason']!r}"
     thread.join(timeout=120)
     assert result == [["trained", "denied: alice rejected the run: not twice"]]
     records = Ledger(sqlite_url).records()

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-from prefect.flow_runs import resume_flow_run
 
 from aisched_prefect import Ledger
 from blocks import AuthorityBlock, Grant
@@ -20,6 +16,7 @@ from flows.common import APPROVER, BLOCK_NAME, ensure_example_blocks, example_bl
 from flows.llm_pipeline import llm_pipeline
 from flows.training import PRINCIPAL as TRAINING_PRINCIPAL
 from flows.training import nightly_training
+from tests.helpers import resume_when_paused
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -52,21 +49,8 @@ def run_until_paused(flow_fn, answer: dict, **parameters):
     result: list = []
     thread = threading.Thread(target=lambda: result.append(flow_fn.with_options(flow_run_name=name)(**parameters)))
     thread.start()
-    paused = None
-    deadline = time.time() + 60
-    with get_client(sync_client=True) as client:
-        while paused is None and time.time() < deadline and thread.is_alive():
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
-            if runs and runs[0].state and runs[0].state.is_paused():
-                paused = runs[0].id
-            time.sleep(0.2)
+    paused = resume_when_paused(answer, flow_run_name=name, alive=thread.is_alive)
     assert paused is not None, "the flow run never paused for approval"
-    for _ in range(50):  # the form's schema is saved just after the Paused state
-        try:
-            resume_flow_run(paused, run_input=answer)
-            break
-        except Exception:
-            time.sleep(0.2)
     thread.join(timeout=120)
     assert not thread.is_alive() and result
     return result[0]
