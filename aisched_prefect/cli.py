@@ -388,8 +388,8 @@ def report(
 ) -> None:
     """GPU-hours, tokens and money of settled AI runs by group, against every budget; money to the cent."""
     from aisched_prefect.usage_report import (
-        UNKNOWN_FLOW, InvalidReportOption, PlotUnavailable, budget_table, build_report, check_by, group_table,
-        json_lines, parse_when, plot_spend, write_csv,
+        InvalidReportOption, PlotUnavailable, budget_table, build_report, check_by, group_table, json_lines,
+        parse_when, plot_spend, write_csv,
     )
 
     try:
@@ -397,13 +397,10 @@ def report(
         start, end = parse_when(since, "--since"), parse_when(until, "--until", end=True)
         book = Ledger(ledger)
         expired = book.expire_holds()  # a hold whose lease ran out is spent money: report it as such
-        usage = build_report(book, by=by, since=start, until=end, flow_run_id=flow_run)
+        usage = build_report(book, by=by, since=start, until=end, flow_run_id=flow_run,
+                             flow_lookup=_flow_names_from_prefect)
     except InvalidReportOption as exc:
         raise typer.BadParameter(exc.fix, param_hint=f"'{exc.option}' (got {exc.value!r})") from None
-    unnamed = {r.flow_run_id for r in usage.runs if r.flow == UNKNOWN_FLOW and r.flow_run_id}
-    names = _flow_names_from_prefect(unnamed)
-    if names:
-        usage = build_report(book, by=by, since=start, until=end, flow_run_id=flow_run, flow_names=names)
     machine = as_json or csv_out == "-"
     if plot:
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import date, datetime, time as dtime, timedelta, timezone
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, Literal, TextIO
@@ -336,13 +336,30 @@ def budget_rows(ledger: Ledger, rows: Iterable[UsageRow], *, only_touched: bool 
     return out
 
 
+def name_flows(rows: list[UsageRow], lookup: Callable[[set[str]], Mapping[str, str]]) -> list[UsageRow]:
+    """`rows`, those whose evidence does not name their flow named by `lookup` (flow run ids -> names), asked once."""
+    unnamed = {r.flow_run_id for r in rows if r.flow == UNKNOWN_FLOW and r.flow_run_id}
+    if not unnamed:
+        return rows
+    names = lookup(unnamed)
+    return [r.model_copy(update={"flow": names[r.flow_run_id]}) if r.flow == UNKNOWN_FLOW and r.flow_run_id in names
+            else r for r in rows]
+
+
 def build_report(ledger: Ledger, *, by: str = "tenant", since: datetime | None = None, until: datetime | None = None,
-                 flow_run_id: str | None = None, flow_names: Mapping[str, str] | None = None) -> UsageReport:
-    """The runs, grouped by `by`, with their total and every budget account."""
+                 flow_run_id: str | None = None, flow_names: Mapping[str, str] | None = None,
+                 flow_lookup: Callable[[set[str]], Mapping[str, str]] | None = None) -> UsageReport:
+    """The runs, grouped by `by`, with their total and every budget account.
+
+    `flow_names` / `flow_lookup` name the flows of runs whose evidence does not (a mapping, or a call
+    asked once with the flow run ids that need a name).
+    """
     check_by(by)
     if since is not None and until is not None and since >= until:
         raise InvalidReportOption("--since", since.isoformat(), f"must be before --until ({until.isoformat()})")
     rows = usage_rows(ledger, flow_run_id=flow_run_id, since=since, until=until, flow_names=flow_names)
+    if flow_lookup is not None:
+        rows = name_flows(rows, flow_lookup)
     return UsageReport(by=by, runs=rows, groups=aggregate(rows, by), total=_total("total", rows),
                        budgets=budget_rows(ledger, rows, only_touched=flow_run_id is not None),
                        filtered=any(x is not None for x in (since, until, flow_run_id)))
@@ -509,11 +526,9 @@ def publish_report_artifacts(ledger: Ledger, flow_run_id: str, *, client: Any = 
     start = datetime.combine(day, dtime.min, tzinfo=timezone.utc)
     day_rows = usage_rows(ledger, since=start, until=start + timedelta(days=1))
     run_rows = usage_rows(ledger, flow_run_id=flow_run_id)
-    unnamed = {r.flow_run_id for r in [*day_rows, *run_rows] if r.flow == UNKNOWN_FLOW and r.flow_run_id}
-    if unnamed:  # evidence written before settlements named their flow: ask Prefect (one round trip)
-        names = prefect_flow_names(client, unnamed)
-        day_rows = [r.model_copy(update={"flow": names.get(r.flow_run_id or "", r.flow)}) for r in day_rows]
-        run_rows = [r.model_copy(update={"flow": names.get(r.flow_run_id or "", r.flow)}) for r in run_rows]
+    # evidence written before settlements named their flow: ask Prefect, once for both
+    named = name_flows([*day_rows, *run_rows], lambda ids: prefect_flow_names(client, ids))
+    day_rows, run_rows = named[:len(day_rows)], named[len(day_rows):]
     keys = (flow_run_key(flow_run_id), day_key(day))
     client.create_artifact(ArtifactCreate(
         key=keys[0], type="markdown", flow_run_id=UUID(str(flow_run_id)),
