@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from aisched_prefect import Ledger, ai_task
 from blocks import ClusterBlock, ModelLimit
+from flows.batch_inference import most_at_once
 from tests.helpers import runner
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -20,15 +21,6 @@ def call(i):
     start = time.time()
     time.sleep(0.5)
     return start, time.time()
-
-
-def most_at_once(spans):
-    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
-    now = peak = 0
-    for _, d in events:
-        now += d
-        peak = max(peak, now)
-    return peak
 
 
 def test_concurrency_limit_caps_calls_in_flight(gpu_cluster, sqlite_url):
