@@ -31,6 +31,10 @@ class AIRequest(BaseModel):
     est_seconds: float = Field(default=0, ge=0, description="Expected runtime; prices the budget hold.")
     est_tokens: int = Field(default=0, ge=0, description="Expected tokens; prices model calls.")
     priority: int = Field(default=0, ge=-100, le=100, description="Higher goes first.")
+    preemptible: bool = Field(
+        default=False, description="May borrow idle GPUs beyond its tenant's quota in the cluster's queue, and be "
+        "stopped to give them back: charged for what ran, then queued again (it starts over unless it resumes "
+        "from its own checkpoint). Needs whole GPUs and a runner with queue=True.")
 
     @field_validator("gpu_type", mode="before")
     @classmethod
@@ -53,6 +57,9 @@ class AIRequest(BaseModel):
             )
         if (self.gpu_memory_gb or self.gpu_type) and not self.gpus:
             raise ValueError("gpu_memory_gb/gpu_type need gpus >= 1")
+        if self.preemptible and self.gpus < 1:
+            raise ValueError("preemptible=True needs gpus >= 1 (whole GPUs wait in the cluster's queue, "
+                             "which is what stops and requeues a run); drop preemptible or ask for a whole GPU")
         return self
 
     @classmethod

@@ -114,8 +114,13 @@ class _Running:
     top_up_refused: str | None = None
     stop_reason: str | None = None
     queue_id: str | None = None  # its key in the cluster's queue (runner queue=True), until it leaves
+    preempted_for: str | None = None  # the tenant the cluster's queue stopped it for, as it left the queue
     placed: bool = False
     asked: set[float] = field(default_factory=set)
+
+
+class _Preempted(Exception):
+    """The cluster's queue stopped a run to give borrowed GPUs back; it was charged and will queue again."""
 
 
 def _version(model: BaseModel) -> str:
@@ -668,19 +673,59 @@ class RunnerSession:
         actual = facts.model_copy(update={"gpu_types": (gpu_type,)}) if gpu_type else facts
         return {line.budget: line.amount for line in self._lines(actual, used, shares)}
 
-    def _wait_in_queue(self, state: _Running, request: AIRequest, admission: Admission) -> str | None:
+    def _wait_in_queue(self, state: _Running, request: AIRequest, admission: Admission, key: str) -> str | None:
         """Wait in the cluster's one queue (a scheduler plugin) for the worker this run may start on now."""
         state.queue_id = uuid.uuid4().hex  # known before the call, so a stop can take it out of the queue
         worker = self.client.sync(self.client.scheduler.gpu_queue_run, key=state.queue_id, tenant=self.tenant,
                                   gpus=int(request.gpus), estimate=request.est_seconds, priority=admission.priority,
-                                  workers=admission.workers, client=self.client.id)
+                                  workers=admission.workers, client=self.client.id, preemptible=request.preemptible,
+                                  task=key if request.preemptible else None)
         state.placed = worker is not None
         if worker is None:
             state.queue_id = None
         return None if state.stop_reason else worker
 
+    def _leave_queue(self, state: _Running) -> None:
+        """Give a run's GPUs back to the cluster's queue (once), learning whether the queue preempted it."""
+        if state.queue_id is not None:
+            state.preempted_for = self.client.sync(self.client.scheduler.gpu_queue_leave, id=state.queue_id)
+            state.queue_id = None
+
     def _execute(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
                  admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:
+        """Run an admitted call; a run the cluster's queue preempts is charged for what ran and queued again."""
+        requeued = 0
+        while True:
+            try:
+                return self._execute_once(fn, request, args, kwargs, admission, payload, ids, task_name)
+            except _Preempted:
+                requeued += 1
+                admission = self._requeue(request, admission, {**payload, "requeued": requeued}, ids)
+
+    def _requeue(self, request: AIRequest, admission: Admission, payload: dict[str, Any], ids: dict[str, Any]) -> Admission:
+        """Admit a preempted run again: authority and budget as they are now, a new hold and ticket.
+
+        A grant revoked or a budget spent while it ran ends it here, denied. An
+        approval it had covers the call and is not asked again.
+        """
+        chain, refusal = self._authorize(admission.facts)
+        if chain is None:
+            raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
+        usage = Usage(money=admission.reserved, gpu_hours=request.gpus * request.est_seconds / 3600, tokens=request.est_tokens)
+        try:
+            held, record = self.ledger.reserve(self._lines(admission.facts, usage, admission.shares), kind="admission",
+                                               payload={**payload, "approval": "requeued after preemption"}, **ids)
+        except BudgetExceeded as exc:
+            raise self._deny("budget", f"{exc} (queued again after a preemption)",
+                             f"raise the limit of {exc.budget!r} in BudgetBlock {self.budget_name!r}", payload, ids) from None
+        with self._running_lock:
+            self._live_holds.update(h.id for h in held)
+        ticket = self.signer.issue(admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
+                                   chain=tuple(admission.chain), expires_at=time.time() + self.config.ticket_ttl_seconds)
+        return admission.model_copy(update={"ticket": ticket, "holds": held})
+
+    def _execute_once(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:
         submitted = time.monotonic()
         key = f"aisched-{task_name}-{ids['task_run_id']}-{uuid.uuid4().hex[:8]}"
         state = _Running(request=request, admission=admission, payload=payload, ids=ids,
@@ -689,7 +734,7 @@ class RunnerSession:
             self._running[key] = state
         workers = worker_restriction(request.gpu_request(), self.inventories, admission.workers)
         if self.config.queue and request.gpus >= 1:
-            worker = self._wait_in_queue(state, request, admission)
+            worker = self._wait_in_queue(state, request, admission, key)
             if worker is None:
                 with self._running_lock:
                     self._running.pop(key, None)
@@ -709,7 +754,12 @@ class RunnerSession:
         except TicketRejected as exc:
             self._settle(state.holds, None, kind="settlement", payload={**payload, "outcome": "ticket-rejected", "error": str(exc)}, ids=ids)
             raise
-        except StopRequested:  # stopped while queued: it never started
+        except StopRequested:  # stopped before it started: preempted (queued again) or revoked
+            self._leave_queue(state)
+            if state.preempted_for is not None and state.stop_reason is None:
+                self._settle(state.holds, None, kind="settlement", payload={
+                    **payload, "outcome": "preempted-before-start", "preempted_for": state.preempted_for}, ids=ids)
+                raise _Preempted() from None
             self._settle(state.holds, None, kind="settlement", payload={**payload, "outcome": "revoked-while-queued"}, ids=ids)
             raise AdmissionDenied("revocation", f"a grant in the chain {admission.chain} was revoked before the task started",
                                   "ask for a new grant") from None
@@ -728,10 +778,11 @@ class RunnerSession:
             future.release()
             with self._running_lock:
                 self._running.pop(key, None)
-            if state.queue_id is not None:  # its GPUs go back to the cluster's queue
-                self.client.sync(self.client.scheduler.gpu_queue_leave, id=state.queue_id)
+            self._leave_queue(state)  # its GPUs go back to the cluster's queue
         run = out.run
-        stopped = state.stop_reason if not out.ok and isinstance(out.error, StopRequested) else None
+        stopped = None
+        if not out.ok and isinstance(out.error, StopRequested):
+            stopped = state.stop_reason or ("preempted" if state.preempted_for is not None else None)
         if out.logs:
             from prefect.logging import get_run_logger
 
@@ -749,7 +800,12 @@ class RunnerSession:
             "seconds": run.seconds, "gpu_seconds": run.seconds * len(run.devices),
             "covered_seconds": state.covered_seconds, "top_ups": len(state.holds) - len(admission.holds),
             "usage": out.usage.model_dump() if out.usage else None, "charges": charges,
+            **({"preempted_for": state.preempted_for} if stopped == "preempted" else {}),
         }, ids=ids)
+        if stopped == "preempted":
+            logger.warning("AI task %s was preempted after %.1fs to give tenant %r its quota back; charged for that "
+                           "and queued again", task_name, run.seconds, state.preempted_for)
+            raise _Preempted()
         if stopped == "budget":
             raise AdmissionDenied("budget", f"the task ran {run.seconds:.1f}s, all its budget holds cover "
                                   f"({state.covered_seconds:.1f}s), and a top-up was refused ({state.top_up_refused}); "

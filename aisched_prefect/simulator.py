@@ -111,7 +111,8 @@ def simulate(jobs: list[Job], durations: dict[int, float], policy: Policy, hosts
                 policy.submit(job, state)
                 waiting_gpus[job.tenant] = waiting_gpus.get(job.tenant, 0.0) + job.gpus
         t_dec = time.perf_counter()
-        for run in policy.preempt(now, state):
+        for stop in policy.preempt(now, state):
+            run = stop.run
             state.running.remove(run)
             state.free[run.host] += run.job.gpus
             running_gpus[run.job.tenant] -= run.job.gpus

@@ -78,15 +78,22 @@ def ai_task(
     est_seconds: float = 0,
     est_tokens: int = 0,
     priority: int = 0,
+    preemptible: bool = False,
     **task_options: Any,
 ) -> Any:
     """Declare an AI task: what it needs (GPUs, memory, type), what it is, what it will cost.
+
+    `preemptible=True` lets the run borrow idle GPUs of other tenants in the
+    cluster's queue (runner `queue=True`) and be stopped to give them back:
+    it is charged for what ran and queued again. Make it stoppable
+    (`run_subprocess`, or `checkpoint()` in Python loops) and, to lose
+    nothing, resumable from its own checkpoint files.
 
     Other keyword arguments (name, retries, tags, ...) go to `prefect.task`.
     """
     request = AIRequest.build(
         kind=kind, gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_type=gpu_type, model=model,
-        est_seconds=est_seconds, est_tokens=est_tokens, priority=priority,
+        est_seconds=est_seconds, est_tokens=est_tokens, priority=priority, preemptible=preemptible,
     )
 
     def decorate(fn: Callable[..., Any]) -> Task[Any, Any]:

@@ -13,6 +13,14 @@ chose): the call returns the worker the run must go to, when the policy starts
 it. The client submits it there with `workers=[...]`, so Dask never holds a GPU
 task that waits behind another, and tells the plugin when it ended (`leave`,
 by the same key; also how a run still queued is taken out).
+
+Preemption (Kueue's reclaim): a run entered `preemptible` may borrow idle
+GPUs beyond its tenant's quota for any length of time; when another tenant's
+run fits its quota but no host, the policy picks borrowed runs to stop, the
+plugin frees their GPUs at once and asks their workers to stop them (the
+worker's stop path: a subprocess is killed, Python stops at `checkpoint()`),
+and `leave` tells their client they were preempted, so it charges what ran
+and queues them again.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from typing import Any
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from distributed.protocol.pickle import dumps
+
+from dask_gpu.cluster import _stop_keys
 from dask_gpu.queue_policy import ClusterState, FairShare, Job, Policy, Running
 
 PLUGIN_NAME = "dask-gpu-queue"
@@ -44,6 +55,8 @@ class GPUQueuePlugin(SchedulerPlugin):
         self.ids = itertools.count(1)
         self.answers: dict[int, asyncio.Future] = {}  # job id -> its worker, once started (None: left the queue)
         self.keys: dict[str, int] = {}  # the client's key of a run -> its job id, until it leaves
+        self.tasks: dict[int, str] = {}  # job id -> the Dask key it runs under (what a preemption stops)
+        self.preempted: dict[int, str] = {}  # job id -> tenant it gave its GPUs to, until its client leaves
         self.scheduler: Any = None
 
     async def start(self, scheduler: Any) -> None:
@@ -91,20 +104,28 @@ class GPUQueuePlugin(SchedulerPlugin):
         for jid, (_, c) in list(self.running.items()):
             if c == client:
                 self._drop_running(jid)
-        self.keys = {k: j for k, j in self.keys.items() if j in self.waiters or j in self.running}
+        self.keys = {k: j for k, j in self.keys.items() if j in self.waiters or j in self.running or j in self.preempted}
+        self.preempted = {j: t for j, t in self.preempted.items() if j in self.keys.values()}
+        self.tasks = {j: k for j, k in self.tasks.items() if j in self.keys.values()}
         self._dispatch()
 
     # -- handlers -----------------------------------------------------------------------
     async def run(self, key: str, tenant: str, gpus: int, estimate: float, priority: int = 0,
-                  workers: list[str] | None = None, client: str = "") -> str | None:
+                  workers: list[str] | None = None, client: str = "", preemptible: bool = False,
+                  task: str | None = None) -> str | None:
         """Queue one run under the client's `key` and return the worker it must go to, once the policy
-        starts it; None if it left the queue first (`leave(key)`). One round trip per run."""
-        jid = self.enter(tenant, gpus, estimate, priority, workers, client)
+        starts it; None if it left the queue first (`leave(key)`). One round trip per run.
+
+        A `preemptible` run names the Dask key it will run under (`task`): the key a preemption stops.
+        """
+        jid = self.enter(tenant, gpus, estimate, priority, workers, client, preemptible)
         self.keys[key] = jid
+        if task is not None:
+            self.tasks[jid] = task
         return await self.wait(jid)
 
     def enter(self, tenant: str, gpus: int, estimate: float, priority: int = 0,
-              workers: list[str] | None = None, client: str = "") -> int:
+              workers: list[str] | None = None, client: str = "", preemptible: bool = False) -> int:
         """Queue one run; returns its id (then `wait` for the worker it must run on)."""
         addresses = [a for a in (self._address(w) for w in workers or []) if a is not None]
         for a in addresses:
@@ -112,7 +133,7 @@ class GPUQueuePlugin(SchedulerPlugin):
                 self.add_worker(self.scheduler, a)
         hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
         job = Job(id=next(self.ids), tenant=tenant, gpus=gpus, submit=time.time(), estimate=estimate,
-                  priority=priority, hosts=hosts)
+                  priority=priority, hosts=hosts, preemptible=preemptible)
         self.answers[job.id] = asyncio.get_running_loop().create_future()
         self.waiters[job.id] = (client, job)
         self.policy.submit(job, self.state)
@@ -129,9 +150,14 @@ class GPUQueuePlugin(SchedulerPlugin):
         finally:
             self.answers.pop(id, None)
 
-    def leave(self, id: str) -> None:
-        """A run ended (or was abandoned while queued): free its GPUs, or take it out of the queue."""
+    def leave(self, id: str) -> str | None:
+        """A run ended (or was abandoned while queued): free its GPUs, or take it out of the queue.
+
+        Returns the tenant it was preempted for, if the queue stopped it (its GPUs are already free).
+        """
         id = self.keys.pop(id, -1)
+        self.tasks.pop(id, None)
+        preempted_for = self.preempted.pop(id, None)
         if id in self.waiters:
             _, job = self.waiters.pop(id)
             self.policy.remove([job])
@@ -139,6 +165,7 @@ class GPUQueuePlugin(SchedulerPlugin):
         elif id in self.running:
             self._drop_running(id)
         self._dispatch()
+        return preempted_for
 
     def status(self) -> dict[str, Any]:
         return {"queued": self.policy.waiting(), "running": len(self.running),
@@ -166,12 +193,27 @@ class GPUQueuePlugin(SchedulerPlugin):
         if not self.waiters:
             return
         now = time.time()
+        self._preempt(now)
         for start in self.policy.schedule(now, self.state):
             client, job = self.waiters.pop(start.job.id)
             run = Running(start.job, start.host, now)
             self.state.running.append(run)
             self.running[job.id] = (run, client)
             self._answer(job.id, self.addresses[start.host])
+
+
+    def _preempt(self, now: float) -> None:
+        """Stop the runs the policy takes back: their GPUs are free for this pass; their workers stop them."""
+        by_worker: dict[str, list[str]] = {}
+        for p in self.policy.preempt(now, self.state):
+            jid = p.run.job.id
+            self._drop_running(jid)
+            self.preempted[jid] = p.for_tenant
+            if jid in self.tasks:
+                by_worker.setdefault(self.addresses[p.run.host], []).append(self.tasks[jid])
+        for worker, keys in by_worker.items():  # the worker's stop path, as a client's request_stop takes
+            msg = {"op": "run", "function": dumps(_stop_keys), "args": dumps((keys,)), "kwargs": dumps({}), "wait": True}
+            asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
 
 
 async def _install(dask_scheduler: Any, policy: Policy | None, weights: dict[str, float] | None) -> bool:

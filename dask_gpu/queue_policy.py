@@ -70,6 +70,14 @@ class Start:
     host: int
 
 
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """A running job to stop, and the tenant whose quota it gives back."""
+
+    run: Running
+    for_tenant: str
+
+
 def best_fit(free: list[int], gpus: int, exclude: int = -1, limit: int | None = None,
              allowed: frozenset[int] | None = None) -> int | None:
     """The host with the fewest free GPUs that still holds `gpus` (keeps big holes for big jobs)."""
@@ -94,7 +102,7 @@ class Policy:
     def schedule(self, now: float, state: ClusterState) -> list[Start]:
         raise NotImplementedError
 
-    def preempt(self, now: float, state: ClusterState) -> list[Running]:
+    def preempt(self, now: float, state: ClusterState) -> list[Preemption]:
         """Running jobs to stop now; the driver stops them and submits them again. None by default."""
         return []
 
@@ -355,7 +363,7 @@ class FairShare(EasyBackfill):
             return True
         return job.estimate <= self.borrow_seconds
 
-    def preempt(self, now: float, state: ClusterState) -> list[Running]:
+    def preempt(self, now: float, state: ClusterState) -> list[Preemption]:
         """Reclaim (as Kueue's cohorts do): a tenant whose best waiting job fits within its quota but on no
         host gets GPUs back from preemptible jobs of tenants above their quota (borrowers), on the host
         where that loses the least work (most recently started first)."""
@@ -366,6 +374,7 @@ class FairShare(EasyBackfill):
         for r in state.running:
             alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
         victims: list[Running] = []
+        out: list[Preemption] = []
         for tenant, q in self.queues.items():
             if not q:
                 continue
@@ -393,9 +402,10 @@ class FairShare(EasyBackfill):
             if best is not None:
                 for r in best[1]:
                     victims.append(r)
+                    out.append(Preemption(r, tenant))
                     alloc[r.job.tenant] -= r.job.gpus
                 alloc[tenant] = used + head.gpus
-        return victims
+        return out
 
     def _charge(self, now: float, state: ClusterState) -> None:
         dt = 0.0 if self.usage_at is None else max(now - self.usage_at, 0.0)
