@@ -291,6 +291,11 @@ class FairShare(EasyBackfill):
     of them, and (`strict`) while one stands a tenant above its fair share
     starts nothing that would end after it. `headroom` GPUs are kept free for
     tenants that run nothing, so a newcomer's small job starts at once.
+    End of the queue: once nothing has been submitted for `tail_quiet` seconds,
+    a waiting job at least `tail` x (known work left, running and waiting, /
+    capacity) long is served first, longest first (LPT, within the highest
+    priority waiting), so the longest runs do not start last and stretch the
+    makespan (`tail` 0: off).
     Preemptible jobs may borrow for any length of time: when a tenant's best
     waiting job fits its quota but no host, `preempt` stops preemptible runs
     of tenants above their quota to give it back (reclaim, as Kueue cohorts).
@@ -303,11 +308,12 @@ class FairShare(EasyBackfill):
     """
 
     name = "ours"
-    depth = 1000
+    depth = 500
 
     def __init__(self, weights: dict[str, float] | None = None, aging: float = 2 * 3600.0,
                  half_life: float = 3600.0, borrow_seconds: float | None = 2 * 3600.0, active_window: float = 3600.0,
-                 reservations: int = 4, strict: bool = True, headroom: int = 1) -> None:
+                 reservations: int = 4, strict: bool = True, headroom: int = 1,
+                 tail: float = 1.0, tail_quiet: float = 3600.0) -> None:
         super().__init__()
         self.weights = weights or {}
         self.aging, self.half_life = aging, half_life
@@ -321,6 +327,10 @@ class FairShare(EasyBackfill):
         self.usage_at: float | None = None
         self._quota_at: tuple[float, int] | None = None
         self._quota_weights: tuple[set[str], float] = (set(), 0.0)
+        self.tail, self.tail_quiet = tail, tail_quiet
+        self.by_estimate: list[tuple[float, int, Job]] = []  # waiting jobs, longest first
+        self.waiting_work = 0.0  # GPU-seconds waiting
+        self.last_any = -math.inf  # the latest submit of anyone
 
     def _key(self, job: Job) -> tuple[int, float]:
         return (-job.priority, math.log10(1.0 + job.gpus * job.estimate / 60.0) + job.submit / self.aging)
@@ -330,6 +340,9 @@ class FairShare(EasyBackfill):
         self.waiting_gpus[job.tenant] = self.waiting_gpus.get(job.tenant, 0.0) + job.gpus
         self.last_submit[job.tenant] = max(job.submit, self.last_submit.get(job.tenant, job.submit))
         self.count += 1
+        bisect.insort(self.by_estimate, (-job.estimate, job.id, job))
+        self.waiting_work += job.gpus * job.estimate
+        self.last_any = max(self.last_any, job.submit)
 
     def remove(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -339,6 +352,10 @@ class FairShare(EasyBackfill):
             del q[i]
             self.waiting_gpus[job.tenant] -= job.gpus
             self.count -= 1
+            i = bisect.bisect_left(self.by_estimate, (-job.estimate, job.id))
+            assert self.by_estimate[i][2] is job
+            del self.by_estimate[i]
+            self.waiting_work -= job.gpus * job.estimate
 
     def waiting(self) -> int:
         return self.count
@@ -426,6 +443,19 @@ class FairShare(EasyBackfill):
         demand = {t: alloc.get(t, 0.0) + self.waiting_gpus[t] for t in live}
         capacity = state.capacity if state else sum(demand.values()) or 1.0
         self.fair = fair = max_min_shares(capacity, demand, self.weights)
+        first: set[int] = set()
+        if self.tail and state is not None and now - self.last_any >= self.tail_quiet:
+            left = self.waiting_work + sum(r.job.gpus * max(r.expected_end - now, 0.0) for r in state.running)
+            horizon = self.tail * left / state.capacity
+            top = max((-q[0][0][0] for q in live.values()), default=0)  # priority still comes before all
+            for neg, jid, job in self.by_estimate:  # the critical jobs, longest first; lazily
+                if -neg < horizon:
+                    break
+                if job.priority < top:
+                    continue
+                first.add(jid)
+                alloc[job.tenant] = alloc.get(job.tenant, 0.0) + job.gpus
+                yield job
 
         def entry(t: str, i: int) -> tuple:
             key, jid, _ = live[t][i]
@@ -437,10 +467,12 @@ class FairShare(EasyBackfill):
         while heap:
             *_, t, i = heapq.heappop(heap)
             job = live[t][i][2]
-            alloc[t] = alloc.get(t, 0.0) + job.gpus
+            if job.id not in first:  # a critical job is counted (and served) already
+                alloc[t] = alloc.get(t, 0.0) + job.gpus
             if i + 1 < len(live[t]):
                 heapq.heappush(heap, entry(t, i + 1))
-            yield job
+            if job.id not in first:
+                yield job
 
     def schedule(self, now: float, state: ClusterState) -> list[Start]:
         self._charge(now, state)

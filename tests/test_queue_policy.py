@@ -174,3 +174,17 @@ def test_weights_give_a_tenant_its_weighted_share():
     starts = starts_of(FairShare(weights={"a": 3.0}, headroom=0), jobs)
     at_once = [j.tenant for j in jobs if starts[j.id] == 0.0]
     assert sorted(at_once) == ["a", "a", "a", "b"]
+
+
+def test_once_submissions_stop_the_longest_waiting_job_starts_first():
+    # A 4-GPU run holds the host for 4000 s; behind it 8 short runs and 1 long one, submitted just after.
+    # At 4000 s nothing was submitted for an hour: the long run starts first (longest first, LPT) and
+    # the queue ends at 9000 s, where shortest-first would start it last and end at 11000 s.
+    blocker = job(0, 4, duration=4000.0)
+    shorts = [job(i, 1, submit=1.0, duration=1000.0) for i in range(1, 9)]
+    long = job(9, 1, submit=1.0, duration=5000.0)
+    s = starts_of(FairShare(), [blocker, *shorts, long])
+    assert s[9] == 4000.0 and max(s[i] + 1000.0 for i in range(1, 9)) <= 9000.0
+    assert starts_of(FairShare(tail=0), [blocker, *shorts, long])[9] == 6000.0  # the rule off: shortest first
+    urgent = [Job(id=i, tenant="a", gpus=1, submit=1.0, estimate=1000.0, priority=1) for i in range(1, 9)]
+    assert starts_of(FairShare(), [blocker, *urgent, long])[9] == 6000.0  # priority still comes first
