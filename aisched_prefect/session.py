@@ -504,7 +504,7 @@ class RunnerSession:
                 run_key=run_key or ids["task_run_id"], task_name=payload["task"], parameters=hash_objects(*call),
                 request=payload["request"], est_cost=estimate.amount, currency=self.budget.currency, rule=outcome.rule)
             payload["approvals_required"] = outcome.approvals_required
-        usage = Usage(money=estimate.amount, gpu_hours=request.gpus * request.est_seconds / 3600, tokens=request.est_tokens)
+        usage = self._expected_usage(request, estimate.amount)
         shares = {g.id: g.budget_share for g in chain if g.budget_share < 1}
         lines = self._lines(facts, usage, shares)
         try:
@@ -532,11 +532,7 @@ class RunnerSession:
             assert flow_name is not None and flow_version is not None
             self.ledger.mark_flow_version(flow_name, flow_version)
             self._versions_seen.add((flow_name, flow_version))
-        ticket = self.signer.issue(
-            admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
-            chain=tuple(payload["chain"]), expires_at=time.time() + self.config.ticket_ttl_seconds,
-        )
-        return Admission(ticket=ticket, workers=workers, holds=held, reserved=estimate.amount,
+        return Admission(ticket=self._ticket(record.seq, request, ids, payload["chain"]), workers=workers, holds=held, reserved=estimate.amount,
                          priced_type=estimate.gpu_type_priced, chain=payload["chain"], facts=facts, shares=shares,
                          priority=priority,
                          expires_at=min((utc(g.expires_at).timestamp() for g in chain if g.expires_at), default=None))
@@ -711,7 +707,7 @@ class RunnerSession:
         chain, refusal = self._authorize(admission.facts)
         if chain is None:
             raise self._deny("authority", refusal, "ask for a new grant", payload, ids)
-        usage = Usage(money=admission.reserved, gpu_hours=request.gpus * request.est_seconds / 3600, tokens=request.est_tokens)
+        usage = self._expected_usage(request, admission.reserved)
         try:
             held, record = self.ledger.reserve(self._lines(admission.facts, usage, admission.shares), kind="admission",
                                                payload={**payload, "approval": "requeued after preemption"}, **ids)
@@ -720,9 +716,17 @@ class RunnerSession:
                              f"raise the limit of {exc.budget!r} in BudgetBlock {self.budget_name!r}", payload, ids) from None
         with self._running_lock:
             self._live_holds.update(h.id for h in held)
-        ticket = self.signer.issue(admission_seq=record.seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
-                                   chain=tuple(admission.chain), expires_at=time.time() + self.config.ticket_ttl_seconds)
-        return admission.model_copy(update={"ticket": ticket, "holds": held})
+        return admission.model_copy(update={"ticket": self._ticket(record.seq, request, ids, admission.chain), "holds": held})
+
+    @staticmethod
+    def _expected_usage(request: AIRequest, money: float) -> Usage:
+        """What a run is expected to use, as its holds are sized."""
+        return Usage(money=money, gpu_hours=request.gpus * request.est_seconds / 3600, tokens=request.est_tokens)
+
+    def _ticket(self, seq: int, request: AIRequest, ids: dict[str, Any], chain: list[str]) -> AdmissionTicket:
+        """The signed ticket a worker checks before it runs this admission (record `seq`) of the call."""
+        return self.signer.issue(admission_seq=seq, task_run_id=ids["task_run_id"], request_digest=request.digest,
+                                 chain=tuple(chain), expires_at=time.time() + self.config.ticket_ttl_seconds)
 
     def _execute_once(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any],
                       admission: Admission, payload: dict[str, Any], ids: dict[str, Any], task_name: str) -> Any:

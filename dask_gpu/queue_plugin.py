@@ -32,7 +32,6 @@ from typing import Any
 
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
-
 from distributed.protocol.pickle import dumps
 
 from dask_gpu.cluster import _stop_keys
@@ -105,8 +104,9 @@ class GPUQueuePlugin(SchedulerPlugin):
             if c == client:
                 self._drop_running(jid)
         self.keys = {k: j for k, j in self.keys.items() if j in self.waiters or j in self.running or j in self.preempted}
-        self.preempted = {j: t for j, t in self.preempted.items() if j in self.keys.values()}
-        self.tasks = {j: k for j, k in self.tasks.items() if j in self.keys.values()}
+        live = set(self.keys.values())
+        self.preempted = {j: t for j, t in self.preempted.items() if j in live}
+        self.tasks = {j: k for j, k in self.tasks.items() if j in live}
         self._dispatch()
 
     # -- handlers -----------------------------------------------------------------------
@@ -200,7 +200,6 @@ class GPUQueuePlugin(SchedulerPlugin):
             self.state.running.append(run)
             self.running[job.id] = (run, client)
             self._answer(job.id, self.addresses[start.host])
-
 
     def _preempt(self, now: float) -> None:
         """Stop the runs the policy takes back: their GPUs are free for this pass; their workers stop them."""

@@ -25,24 +25,36 @@ def status(client):
     return client.sync(client.scheduler.gpu_queue_status)
 
 
+@ai_task(gpus=2, gpu_type="H100", kind="training", est_seconds=4)
+def train_longer(i):
+    start = time.time()
+    time.sleep(1.5)
+    return start
+
+
 def test_runs_of_two_tenants_share_the_queue_fairly(gpu_cluster, dask_client, sqlite_url):
     """Tenant a fills the queue first; tenant b's runs start before a's backlog is done (FIFO would not)."""
+    from dask_gpu import install_queue
+
     auth = authority(principal="*")
     results: dict[str, list[float]] = {}
 
-    def tenant(name: str, n: int, delay: float) -> None:
-        time.sleep(delay)
-
+    def tenant(name: str, n: int) -> None:
         @flow(name=f"queue-{name}", task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, principal=f"{name}/jobs",
                                                        authority=auth, queue=True, max_workers=8))
         def jobs():
-            return [f.result() for f in train.map(range(n))]
+            return [f.result() for f in train_longer.map(range(n))]
 
         results[name] = jobs()
 
-    threads = [threading.Thread(target=tenant, args=("a", 8, 0.0)), threading.Thread(target=tenant, args=("b", 2, 1.5))]
-    for t in threads:
-        t.start()
+    install_queue(dask_client)  # (idempotent) so this test can see a's backlog before b starts
+    threads = [threading.Thread(target=tenant, args=("a", 8)), threading.Thread(target=tenant, args=("b", 2))]
+    threads[0].start()
+    deadline = time.time() + 60
+    while status(dask_client)["queued"] < 4:  # a's backlog waits (two hosts hold two of its runs at a time)
+        assert time.time() < deadline and threads[0].is_alive(), "tenant a's runs never queued"
+        time.sleep(0.05)
+    threads[1].start()
     for t in threads:
         t.join(timeout=180)
     assert len(results["a"]) == 8 and len(results["b"]) == 2
