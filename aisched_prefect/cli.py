@@ -431,5 +431,41 @@ def report(
                       f"the ledger posted {b.posted}[/red]")
 
 
+@app.command()
+def queue(
+    address: str = typer.Option(..., "--address", envvar="AISCHED_DASK_ADDRESS",
+                                help="The shared Dask scheduler, e.g. tcp://10.0.0.5:8786 (or AISCHED_DASK_ADDRESS)."),
+    as_json: bool = typer.Option(False, "--json", help="The queue's state as one JSON object."),
+) -> None:
+    """The cluster's one queue (AISchedTaskRunner(queue=True)): runs on GPUs, then waiting runs in serving order."""
+    from distributed import Client
+
+    try:
+        client = Client(address, timeout="10s", set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise typer.BadParameter(f"no Dask scheduler answered there ({exc}); pass the address a runner's "
+                                 "address= names, e.g. tcp://host:8786", param_hint="'--address'") from None
+    try:
+        state = client.sync(client.scheduler.gpu_queue_status, runs=True)  # None: the scheduler has no such handler
+    finally:
+        client.close()
+    if state is None:
+        typer.echo(f"no queue on the cluster at {address} yet: the first flow run with "
+                   "AISchedTaskRunner(queue=True) installs it", err=True)
+        raise typer.Exit(1)
+    if as_json:
+        typer.echo(json.dumps(state, sort_keys=True))
+        return
+    now = time.time()
+    rows = [{"#": i, "state": r["state"], "tenant": r["tenant"], "GPUs": r["gpus"], "priority": r["priority"],
+             "preemptible": "yes" if r["preemptible"] else "", "est": f"{r['estimate']:.0f}s",
+             "for": f"{now - r['since']:.0f}s", "worker": r["worker"]} for i, r in enumerate(state["runs"], 1)]
+    console.print(_table(f"queue at {address}: {state['running']} running, {state['queued']} waiting", rows,
+                         ["#", "state", "tenant", "GPUs", "priority", "preemptible", "est", "for", "worker"]))
+    free = ", ".join(f"{w} {n}" for w, n in state["free"].items())
+    weights = ", ".join(f"{t} {w:g}" for t, w in sorted(state["weights"].items())) or "every tenant 1"
+    console.print(f"free GPUs: {free or 'no workers'}; tenant weights: {weights}; preempted so far: {state['preempted']}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

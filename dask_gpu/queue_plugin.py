@@ -56,6 +56,7 @@ class GPUQueuePlugin(SchedulerPlugin):
         self.keys: dict[str, int] = {}  # the client's key of a run -> its job id, until it leaves
         self.tasks: dict[int, str] = {}  # job id -> the Dask key it runs under (what a preemption stops)
         self.preempted: dict[int, str] = {}  # job id -> tenant it gave its GPUs to, until its client leaves
+        self.preemptions = 0
         self.scheduler: Any = None
 
     async def start(self, scheduler: Any) -> None:
@@ -167,9 +168,22 @@ class GPUQueuePlugin(SchedulerPlugin):
         self._dispatch()
         return preempted_for
 
-    def status(self) -> dict[str, Any]:
-        return {"queued": self.policy.waiting(), "running": len(self.running),
-                "free": dict(zip(self.addresses, self.state.free)), "weights": dict(getattr(self.policy, "weights", {}))}
+    def status(self, runs: bool = False) -> dict[str, Any]:
+        """Counts, free GPUs per worker, tenant weights, preemptions so far; with `runs`, every run: those
+        running, then those queued in the order the policy would serve them now."""
+        out: dict[str, Any] = {"queued": self.policy.waiting(), "running": len(self.running),
+                               "free": dict(zip(self.addresses, self.state.free)),
+                               "weights": dict(getattr(self.policy, "weights", {})), "preempted": self.preemptions}
+        if runs:
+            now = time.time()
+            order = getattr(self.policy, "order", None)
+            queued = list(order(now, self.state)) if order else [job for _, job in self.waiters.values()]
+            out["runs"] = [
+                *({"state": "running", "worker": self.addresses[r.host], "since": r.start, **_fields(r.job)}
+                  for r, _ in self.running.values()),
+                *({"state": "queued", "worker": None, "since": job.submit, **_fields(job)} for job in queued),
+            ]
+        return out
 
     def set_weights(self, weights: dict[str, float]) -> None:
         """Tenant weights for a weighted policy (the ClusterBlock's, as the latest flow run to start read them)."""
@@ -208,11 +222,17 @@ class GPUQueuePlugin(SchedulerPlugin):
             jid = p.run.job.id
             self._drop_running(jid)
             self.preempted[jid] = p.for_tenant
+            self.preemptions += 1
             if jid in self.tasks:
                 by_worker.setdefault(self.addresses[p.run.host], []).append(self.tasks[jid])
         for worker, keys in by_worker.items():  # the worker's stop path, as a client's request_stop takes
             msg = {"op": "run", "function": dumps(_stop_keys), "args": dumps((keys,)), "kwargs": dumps({}), "wait": True}
             asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
+
+
+def _fields(job: Job) -> dict[str, Any]:
+    return {"tenant": job.tenant, "gpus": job.gpus, "priority": job.priority, "estimate": job.estimate,
+            "preemptible": job.preemptible}
 
 
 async def _install(dask_scheduler: Any, policy: Policy | None, weights: dict[str, float] | None) -> bool:

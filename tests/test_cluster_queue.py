@@ -162,3 +162,56 @@ def test_the_cluster_blocks_tenant_weights_reach_the_queue(gpu_cluster, dask_cli
     finally:
         install_queue(dask_client, weights={})  # the cluster is shared by the other tests
     assert status(dask_client)["weights"] == {}
+
+
+def test_aisched_queue_shows_what_runs_and_what_waits(gpu_cluster, dask_client, sqlite_url):
+    import json
+
+    from typer.testing import CliRunner
+
+    from aisched_prefect.cli import app
+    from dask_gpu import install_queue
+
+    install_queue(dask_client)
+    cli = CliRunner()
+    address = gpu_cluster.scheduler_address
+
+    @flow(name="queue-shown", task_runner=runner(address, sqlite_url, principal="c/jobs", authority=authority(principal="*"),
+                                                 queue=True, max_workers=8))
+    def jobs():
+        return [f.result() for f in train_longer.map(range(4))]
+
+    worker = threading.Thread(target=jobs)
+    worker.start()
+    try:
+        deadline = time.time() + 60
+        while True:  # two H100 hosts: two of c's runs on GPUs, two waiting
+            out = cli.invoke(app, ["queue", "--address", address, "--json"])
+            assert out.exit_code == 0, out.output
+            state = json.loads(out.output)
+            if state["running"] == 2 and state["queued"] == 2:
+                break
+            assert time.time() < deadline and worker.is_alive(), state
+            time.sleep(0.05)
+        runs = state["runs"]
+        assert [r["state"] for r in runs] == ["running", "running", "queued", "queued"]
+        assert all(r["tenant"] == "c" and r["gpus"] == 2 and not r["preemptible"] for r in runs)
+        assert {r["worker"] for r in runs[:2]} <= set(state["free"]) and runs[2]["worker"] is None
+        table = cli.invoke(app, ["queue", "--address", address])
+        assert table.exit_code == 0 and "waiting" in table.output and "running" in table.output
+    finally:
+        worker.join(timeout=120)
+
+
+def test_aisched_queue_names_a_wrong_address_and_a_cluster_without_the_queue():
+    from typer.testing import CliRunner
+
+    from aisched_prefect.cli import app
+    from dask_gpu import LocalGPUCluster
+
+    cli = CliRunner()
+    out = cli.invoke(app, ["queue", "--address", "tcp://127.0.0.1:9"])
+    assert out.exit_code == 2 and "--address" in out.output
+    with LocalGPUCluster(declared="1 worker x 1 GPU, 24 GB, A10") as bare:
+        out = cli.invoke(app, ["queue", "--address", bare.scheduler_address])
+        assert out.exit_code == 1 and "AISchedTaskRunner(queue=True)" in out.output
