@@ -298,8 +298,6 @@ def grants_list(ledger: Optional[str] = LedgerOpt) -> None:
                                                     "max_cost_per_run", "expires_at", "can_delegate", "revoked"]))
 
 
-
-
 @approvals_app.command("keygen")
 def approvals_keygen(out: str = typer.Option(..., help="Private key file to write (PEM); keep it to yourself.")) -> None:
     """Make an approver's Ed25519 key; put the printed public key in the AuthorityBlock's approver_keys."""

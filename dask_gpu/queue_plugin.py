@@ -55,7 +55,7 @@ class GPUQueuePlugin(SchedulerPlugin):
         self.answers: dict[int, asyncio.Future] = {}  # job id -> its worker, once started (None: left the queue)
         self.keys: dict[str, int] = {}  # the client's key of a run -> its job id, until it leaves
         self.tasks: dict[int, str] = {}  # job id -> the Dask key it runs under (what a preemption stops)
-        self.preempted: dict[int, str] = {}  # job id -> tenant it gave its GPUs to, until its client leaves
+        self.preempted: dict[int, tuple[str, str]] = {}  # job id -> (tenant it gave its GPUs to, its client), until it leaves
         self.preemptions = 0
         self.scheduler: Any = None
 
@@ -104,10 +104,9 @@ class GPUQueuePlugin(SchedulerPlugin):
         for jid, (_, c) in list(self.running.items()):
             if c == client:
                 self._drop_running(jid)
+        self.preempted = {j: p for j, p in self.preempted.items() if p[1] != client}
         self.keys = {k: j for k, j in self.keys.items() if j in self.waiters or j in self.running or j in self.preempted}
-        live = set(self.keys.values())
-        self.preempted = {j: t for j, t in self.preempted.items() if j in live}
-        self.tasks = {j: k for j, k in self.tasks.items() if j in live}
+        self.tasks = {j: k for j, k in self.tasks.items() if j in self.waiters or j in self.running}
         self._dispatch()
 
     # -- handlers -----------------------------------------------------------------------
@@ -158,7 +157,7 @@ class GPUQueuePlugin(SchedulerPlugin):
         """
         id = self.keys.pop(id, -1)
         self.tasks.pop(id, None)
-        preempted_for = self.preempted.pop(id, None)
+        preempted_for, _ = self.preempted.pop(id, (None, ""))
         if id in self.waiters:
             _, job = self.waiters.pop(id)
             self.policy.remove([job])
@@ -220,11 +219,12 @@ class GPUQueuePlugin(SchedulerPlugin):
         by_worker: dict[str, list[str]] = {}
         for p in self.policy.preempt(now, self.state):
             jid = p.run.job.id
+            self.preempted[jid] = (p.for_tenant, self.running[jid][1])
             self._drop_running(jid)
-            self.preempted[jid] = p.for_tenant
             self.preemptions += 1
-            if jid in self.tasks:
-                by_worker.setdefault(self.addresses[p.run.host], []).append(self.tasks[jid])
+            task = self.tasks.pop(jid, None)
+            if task is not None:
+                by_worker.setdefault(self.addresses[p.run.host], []).append(task)
         for worker, keys in by_worker.items():  # the worker's stop path, as a client's request_stop takes
             msg = {"op": "run", "function": dumps(_stop_keys), "args": dumps((keys,)), "kwargs": dumps({}), "wait": True}
             asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
