@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo demo-server demo-server-stop test bench bench-ledger clean
+.PHONY: install demo demo-server demo-server-stop test docs bench bench-ledger clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ demo-server-stop:
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# The documentation site, built strictly into site/ (a broken link or API reference fails it).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
@@ -39,4 +43,4 @@ bench-ledger: $(STAMP)
 	$(BIN)/python bench/ledger.py
 
 clean:
-	rm -rf $(VENV) .aisched .pytest_cache
+	rm -rf $(VENV) .aisched .pytest_cache site

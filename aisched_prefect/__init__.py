@@ -1,13 +1,8 @@
 """aisched-prefect: admission, placement, budgets, approvals and evidence for AI tasks in Prefect."""
 
-from aisched_prefect.approvals import (
-    ApprovalDecision,
-    ApprovalInput,
-    ApprovalRequest,
-    Approver,
-    PolicyApprover,
-    PrefectPauseApprover,
-)
+from aisched_prefect.approvals import ApprovalDecision, ApprovalInput
+from aisched_prefect.body import task_logger
+from aisched_prefect.client import ControlPlaneClient, ControlPlaneError, ControlPlaneUnavailable
 from aisched_prefect.errors import (
     AdmissionDenied,
     AISchedError,
@@ -15,7 +10,6 @@ from aisched_prefect.errors import (
     InvalidAIRequest,
     InvalidUsage,
     NoAdmissionContext,
-    TicketRejected,
 )
 from aisched_prefect.evidence import ChainReport, EvidenceRecord, verify_chain
 from aisched_prefect.ledger import Ledger
@@ -24,8 +18,9 @@ from aisched_prefect.request import AIRequest
 from aisched_prefect.runner import AISchedTaskRunner
 from aisched_prefect.task import ai_task, request_of
 from aisched_prefect.usage import ReportedUsage, report_usage
-from aisched_prefect.worker import task_logger
-from dask_gpu import current_devices, run_subprocess
+from aisched_prefect.wire import ApprovalView
+from dask_gpu import checkpoint, current_devices, current_worker, run_subprocess
+from dask_gpu.tickets import TicketRejected
 
 __all__ = [
     "AIRequest",
@@ -34,21 +29,23 @@ __all__ = [
     "AdmissionDenied",
     "ApprovalDecision",
     "ApprovalInput",
-    "ApprovalRequest",
-    "Approver",
+    "ApprovalView",
     "ChainReport",
     "ConfigurationError",
+    "ControlPlaneClient",
+    "ControlPlaneError",
+    "ControlPlaneUnavailable",
     "EvidenceRecord",
     "InvalidAIRequest",
     "InvalidUsage",
     "Ledger",
     "NoAdmissionContext",
-    "PolicyApprover",
-    "PrefectPauseApprover",
     "ReportedUsage",
     "TicketRejected",
     "ai_task",
+    "checkpoint",
     "current_devices",
+    "current_worker",
     "evidence_rows",
     "report_usage",
     "request_of",

@@ -23,10 +23,6 @@ class AdmissionDenied(AISchedError):
         super().__init__(f"denied at {stage}: {reason}. Fix: {fix}")
 
 
-class TicketRejected(AISchedError):
-    """A worker refused to run a task whose admission ticket is missing or wrong."""
-
-
 class ConfigurationError(AISchedError, ValueError):
     """The runner was configured with something it cannot use."""
 
@@ -41,3 +37,16 @@ class ApprovalSuspended(AISchedError):
     Not a failure of the task: the flow run is Suspended (it holds no process
     and no budget), and re-runs from the start on its work pool when resumed.
     """
+
+
+class InvalidLedgerInput(AISchedError, ValueError):
+    """The ledger was given something it cannot book (a name too long, an unknown unit); nothing was changed."""
+
+    def __init__(self, what: str, value: object, rule: str, fix: str) -> None:
+        self.what, self.value, self.rule, self.fix = what, value, rule, fix
+        self.reason = f"{what}={value!r}: {rule}"
+        super().__init__(f"{self.reason}. Fix: {fix}")
+
+
+class InvalidAmount(InvalidLedgerInput):
+    """An amount given to the ledger is not a finite number in its range (NaN, inf, negative, huge)."""

@@ -43,6 +43,46 @@ def chain_hash(prev_hash: str, body: bytes) -> str:
     return hashlib.sha256(prev_hash.encode() + body).hexdigest()
 
 
+SIG = "sig"
+"""The payload key of a record's signature: the writer's Ed25519 signature over the record's canonical body
+(seq, ts, kind, ids and payload without it), so a record copied elsewhere, or written by anyone else, fails."""
+
+
+def signing_body(seq: int, ts: float, kind: str, flow_run_id: str | None, task_run_id: str | None,
+                 principal: str | None, payload: dict[str, Any]) -> bytes:
+    return b"aisched-record/1\n" + canonical(seq, ts, kind, flow_run_id, task_run_id, principal,
+                                             {k: v for k, v in payload.items() if k != SIG})
+
+
+def record_signed(record: EvidenceRecord, public_keys: list[bytes]) -> bool:
+    """Whether the record carries a valid signature by one of `public_keys`."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    sig = record.payload.get(SIG) if isinstance(record.payload, dict) else None
+    if not isinstance(sig, str):
+        return False
+    body = signing_body(record.seq, record.ts, record.kind, record.flow_run_id, record.task_run_id, record.principal,
+                        record.payload)
+    for key in public_keys:
+        try:
+            Ed25519PublicKey.from_public_bytes(key).verify(bytes.fromhex(sig), body)
+            return True
+        except (InvalidSignature, ValueError):
+            continue
+    return False
+
+
+def verify_signatures(records: list[EvidenceRecord], public_keys: list[bytes]) -> ChainReport:
+    """Every record must be signed by one of the keys: the log of a control plane has no record it did not write."""
+    for r in records:
+        if not record_signed(r, public_keys):
+            return ChainReport(ok=False, records=len(records), at_seq=r.seq,
+                               problem=f"record {r.seq} ({r.kind}) is not signed by the control plane's key: "
+                                       "written by someone else")
+    return ChainReport(ok=True, records=len(records))
+
+
 class ChainReport(BaseModel):
     """Result of checking a log: ok, or the first record where it breaks and why."""
 
@@ -118,3 +158,53 @@ def verify_checkpoints(records: list[EvidenceRecord], checkpoints: list[Checkpoi
             return ChainReport(ok=False, records=len(records), at_seq=cp.seq,
                                problem=f"record {cp.seq} differs from its signed checkpoint: history rewritten")
     return ChainReport(ok=True, records=len(records))
+
+
+def verify_published(records: list[EvidenceRecord], where: str, public_key: bytes | None = None) -> ChainReport:
+    """Check the log against a checkpoint the control plane published outside its database.
+
+    `where` is a checkpoint file or the directory the control plane publishes to
+    (its `latest.json`). A directory with no checkpoint fails: checkpoints were
+    configured, so their absence is itself the problem (deleted, or never written).
+    """
+    import os
+
+    path = os.path.join(where, "latest.json") if os.path.isdir(where) else where
+    if not os.path.exists(path):
+        return ChainReport(ok=False, records=len(records),
+                           problem=f"no published checkpoint at {path}: checkpoints are configured but none was found")
+    with open(path) as f:
+        data = json.load(f)
+    if public_key is None:
+        return ChainReport(ok=False, records=len(records), at_seq=data.get("seq"),
+                           problem="no key to check the published checkpoint against: the key written inside it "
+                                   "proves nothing (pass the control plane's public key)")
+    if bytes.fromhex(data.get("public_key", "")) != public_key:
+        return ChainReport(ok=False, records=len(records), at_seq=data.get("seq"),
+                           problem="the published checkpoint names another key than the control plane's")
+    cp = Checkpoint(**{k: data[k] for k in Checkpoint.model_fields})
+    report = verify_checkpoints(records, [cp], public_key)
+    return report if not report.ok else ChainReport(ok=True, records=len(records), at_seq=cp.seq)
+
+
+def extends(records: list[EvidenceRecord], seq: int, hash_: str) -> str | None:
+    """Why `records` (ascending, from record `seq` on) do not extend the log that had `hash_` at `seq`, or None.
+
+    What a signer checks before it signs a new head: the log it signs must still hold
+    what it signed before, unchanged, and grow from there hash by hash.
+    """
+    if seq == 0:
+        prev = GENESIS
+        rest = records
+    else:
+        if not records or records[0].seq != seq or records[0].hash != hash_:
+            return f"record {seq} is no longer the one checkpointed ({hash_[:12]}...): history rewritten or truncated"
+        prev, rest = hash_, records[1:]
+    expected = seq + 1
+    for r in rest:
+        if r.seq != expected or r.prev_hash != prev:
+            return f"record {r.seq} does not follow record {expected - 1}: deleted, reordered or rewritten"
+        if chain_hash(prev, canonical(r.seq, r.ts, r.kind, r.flow_run_id, r.task_run_id, r.principal, r.payload)) != r.hash:
+            return f"record {r.seq} does not match its hash: edited"
+        prev, expected = r.hash, expected + 1
+    return None

@@ -1,63 +1,16 @@
-"""Delegating and revoking grants: explicit acts, stored in the ledger with their evidence.
+"""Who holds what: every grant of an applied authority and below it, with its live chain status.
 
-Root grants live in the AuthorityBlock (an operator edits them in the Prefect
-UI). A delegation produces a child grant for one principal, checked against
-its parent's whole chain as it stands now and refused if it would be broader
-in any dimension; a revocation (of a root or a delegated grant) cuts every
-chain through it from the next admission on.
+Read from the evidence chain (applied configuration, delegations, revocations),
+as admission reads it: what this shows is what is enforced.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel
 
+from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.ledger import Ledger
-from blocks import AuthorityBlock, ChainBroken, DelegationRefused, Grant, delegate, resolve_chain
-
-
-def _roots(authority: str | AuthorityBlock) -> dict[str, Grant]:
-    block = AuthorityBlock.load(authority) if isinstance(authority, str) else authority
-    return {g.id: g for g in block.grants}
-
-
-def delegate_grant(parent: str, *, id: str, principal: str, by: str, authority: str | AuthorityBlock,
-                   ledger: Ledger | None = None, **dimensions: Any) -> Grant:
-    """Delegate from grant `parent` (a root in `authority`, or a delegated grant) to `principal`.
-
-    `authority` is the AuthorityBlock (name or block) at the root of the
-    parent's chain: the whole chain is checked, not just the parent.
-
-    `dimensions` narrow the parent's (kinds, models, gpu_types, max_gpus,
-    max_cost_per_run, budget_share, expires_at, can_delegate, can_approve);
-    anything wider raises DelegationRefused naming the dimension.
-    """
-    ledger = ledger or Ledger()
-    roots, stored = _roots(authority), ledger.delegated_grants()
-    try:
-        if id in roots or id in stored:
-            raise DelegationRefused("id", f"a grant {id!r} already exists: choose another id")
-        if parent not in roots and parent not in stored:
-            where = f"AuthorityBlock {authority!r}" if isinstance(authority, str) else "the authority given"
-            raise DelegationRefused("parent", f"no grant {parent!r} in {where} or among delegated grants")
-        chain = resolve_chain(parent, roots, stored, ledger.revoked_ids())
-        child = delegate(chain[-1], id=id, principal=principal, **dimensions)
-    except (DelegationRefused, ChainBroken) as exc:
-        # A refused delegation is a decision too: it leaves its record.
-        ledger.record("delegation-refused", {
-            "parent": parent, "grant": id, "to": principal, "by": by, "reason": str(exc),
-            "dimension": getattr(exc, "dimension", "chain"),
-            "asked": {k: v.isoformat() if hasattr(v, "isoformat") else v for k, v in dimensions.items()},
-        }, principal=by)
-        raise
-    ledger.add_grant(child, by=by)
-    return child
-
-
-def revoke_grant(grant_id: str, *, by: str, reason: str, ledger: Ledger | None = None) -> bool:
-    """Revoke `grant_id` and, through it, every grant delegated from it. False if it already was."""
-    return (ledger or Ledger()).revoke(grant_id, by=by, reason=reason) is not None
+from blocks import ChainBroken, resolve_chain
 
 
 class AuthorityRow(BaseModel):
@@ -78,15 +31,21 @@ class AuthorityRow(BaseModel):
     can_approve: bool
 
 
-def authority_map(authority: str | AuthorityBlock, ledger: Ledger | None = None) -> list[AuthorityRow]:
-    """Every root and delegated grant with its live chain status, derived from the block and the ledger."""
-    ledger = ledger or Ledger()
-    roots, stored, revoked = _roots(authority), ledger.delegated_grants(), ledger.revoked_ids()
+def authority_map(ledger: Ledger, authority: str) -> list[AuthorityRow]:
+    """Every root grant of the applied authority `authority` and every grant delegated below one of them."""
+    snap = AuthorityState(ledger).refresh()
+    applied = snap.config("authority", authority)
+    if applied is None:
+        raise LookupError(f"no authority {authority!r} has been applied")
+    idx = snap.index(applied)
     rows = []
-    for grant in [*roots.values(), *(g for g in stored.values() if g.id not in roots)]:
+    delegated = snap.delegated_in(applied)
+    for grant in [*idx.roots.values(), *(g for g in delegated.values() if g.id not in idx.roots)]:
         try:
-            chain, status = [g.id for g in resolve_chain(grant.id, roots, stored, revoked)], "active"
+            chain, status = [g.id for g in resolve_chain(grant.id, idx.roots, delegated, snap.revoked_in(applied))], "active"
         except ChainBroken as exc:
+            if grant.id not in idx.roots and "does not exist" in str(exc):
+                continue  # below another authority's roots
             chain, status = [], f"broken: {exc}"
         rows.append(AuthorityRow(
             principal=grant.principal, grant=grant.id, parent=grant.parent, chain=" -> ".join(chain), status=status,

@@ -29,13 +29,22 @@ def money_of(items: list[dict[str, Any]], field: str) -> float:
 
 
 def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
-    """One row per task run: request, principal, grant, placement, reserved, charged, decision."""
-    rows: dict[str, dict[str, Any]] = {}
+    """One row per attempt of each task run (a retry, or a requeue, is a row of its own): request, principal,
+    grant, placement, reserved, charged, decision."""
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    attempt: dict[str, int] = {}  # task run -> its attempt now: a new admission after a settlement is the next one
+    settled: set[str] = set()
     for r in records:
-        key = r.task_run_id or f"seq-{r.seq}"
+        run = r.task_run_id or f"seq-{r.seq}"
         p = r.payload
-        row = rows.setdefault(key, {
-            "task": p.get("task"), "task_run_id": r.task_run_id, "principal": r.principal,
+        if r.kind == "admission" and run in settled:  # a retry (or a requeue) of the same task run: a row of its own
+            settled.discard(run)
+            attempt[run] = attempt.get(run, 1) + 1
+        if r.kind == "settlement":
+            settled.add(run)
+        n = attempt.setdefault(run, 1)
+        row = rows.setdefault((run, n), {
+            "task": p.get("task"), "task_run_id": r.task_run_id, "attempt": n, "principal": r.principal,
             "request": _request_summary(p.get("request", {})), "grant": None, "worker": None,
             "devices": None, "reserved": 0.0, "charged": 0.0, "decision": None, "records": "",
         })
@@ -52,13 +61,33 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
             row["decision"] = f"denied ({p.get('stage')}): {p.get('reason')}"
         elif r.kind == "approval":
             row["decision"] = f"{'approved' if p.get('approved') else 'rejected'} by {p.get('approver')}"
+        elif r.kind == "worker-died":
+            row["decision"] = f"worker {p.get('name') or p.get('worker')} died (devices {_devices(p.get('devices'))})"
         elif r.kind == "settlement":
             placement = p.get("placement") or {}
             row["worker"] = placement.get("worker")
             row["devices"] = ",".join(str(d) for d in placement.get("devices", [])) or None
             row["charged"] = money_of(p.get("settlements", []), "charged")
             row["decision"] = p.get("outcome")
+            if p.get("attempts") and len(p["attempts"]) > 1:
+                row["decision"] += f" ({len(p['attempts']) - 1} re-run(s) refused)"
     return list(rows.values())
+
+
+def _devices(devices: Any) -> str:
+    return ",".join(str(d) for d in devices) if devices else "?"
+
+
+def for_display(row: dict[str, Any]) -> dict[str, str]:
+    """A row of `evidence_rows` as a person reads it: money with six decimals (never 3e-06), blanks for nothing."""
+    out = {k: "" if v is None else str(v) for k, v in row.items()}
+    for k in ("reserved", "charged"):
+        if isinstance(row.get(k), (int, float)):
+            out[k] = f"{row[k]:.6f}"
+    return out
+
+
+MONEY_NOTE = "reserved and charged: money, in the budget's currency, on the run's first money account"
 
 
 def _unit(item: dict[str, Any]) -> str:
@@ -99,9 +128,22 @@ def explain(records: list[EvidenceRecord]) -> str:
                 out.append(f"        fix: {p.get('fix')}")
             elif r.kind in ("admission", "approval-requested"):
                 verb = "ADMITTED" if r.kind == "admission" else "HELD, waiting for approval"
-                out.append(f"  [{r.seq}] {verb} under grant chain {chain or '?'}; policy rule: "
-                           f"{p.get('approval_rule') or 'none (no approval needed)'}")
+                if r.kind == "admission" and p.get("approval_id"):
+                    why = f"approved by {p.get('approval') or '?'} (approval {p['approval_id'][:12]})"
+                else:
+                    why = f"policy rule: {p.get('approval_rule') or 'none (no approval needed)'}"
+                out.append(f"  [{r.seq}] {verb} under grant chain {chain or '?'}; {why}")
                 out.extend(_held_lines(p))
+            elif r.kind == "approval-consumed":
+                out.append(f"  [{r.seq}] APPROVAL USED: its one execution starts (approved by "
+                           f"{', '.join(p.get('approved_by') or []) or '?'})")
+            elif r.kind == "approval-suspended":
+                out.append(f"  [{r.seq}] SUSPENDED waiting for a person; its holds released (nothing charged)")
+            elif r.kind == "approval-unverified":
+                out.append(f"  [{r.seq}] NOT COUNTED: an answer typed into the Prefect form ({p.get('said')})")
+            elif r.kind == "approval-vote":
+                out.append(f"  [{r.seq}] VOTE by {p.get('approver')} via {p.get('channel')}"
+                           + ("" if p.get("counted") else " (not counted: already voted)"))
             elif r.kind == "top-up":
                 out.append(f"  [{r.seq}] TOPPED UP by {p['top_up']['seconds']:.1f}s (cover was {p['top_up']['covered_before']:.1f}s)")
                 out.extend(_held_lines(p))
@@ -112,14 +154,27 @@ def explain(records: list[EvidenceRecord]) -> str:
                 via = " -> ".join(p.get("approver_chain") or []) or "no approving grant"
                 verdict = "APPROVED" if p.get("approved") else "REJECTED"
                 out.append(f"  [{r.seq}] {verdict} by {who} via {p.get('channel')} ({via}): {p.get('reason') or ''}")
+            elif r.kind == "worker-died":
+                out.append(f"  [{r.seq}] WORKER DIED: {p.get('name') or '?'} ({p.get('worker')}) with devices "
+                           f"{_devices(p.get('devices'))}, after {p.get('seconds', 0):.1f}s")
             elif r.kind == "settlement":
                 place = p.get("placement") or {}
-                where = f" on {place.get('worker')} devices {place.get('devices')}" if place else ""
+                where = (f" on {place.get('name') or place.get('worker')} devices {_devices(place.get('devices'))}"
+                         if place else "")
                 out.append(f"  [{r.seq}] SETTLED {p.get('outcome')}{where}" + (f"; error: {p['error']}" if p.get("error") else ""))
+                for m in place.get("members") or []:  # a multi-host run: each member
+                    out.append(f"        member {m.get('member')}: {m.get('name') or m.get('worker')} devices "
+                               f"{_devices(m.get('devices'))}, {m.get('seconds', 0):.1f}s"
+                               + ("" if m.get("ok") else f", {'stopped: ' + m['stopped'] if m.get('stopped') else 'failed'}"))
+                for a in p.get("attempts") or []:  # every execution of this admission: one died, re-runs refused
+                    out.append(f"        attempt {a.get('attempt')}: {a.get('outcome')} on {a.get('name') or a.get('worker')}"
+                               + (f" devices {_devices(a.get('devices'))}" if a.get("devices") else "")
+                               + f", {a.get('seconds', 0):.1f}s")
                 for s in p.get("settlements") or []:
                     out.append(f"        {s.get('status')} {s.get('charged', 0):.6f}{_unit(s)} on {s.get('budget')!r}, "
                                f"released {s.get('released', 0):.6f}"
                                + (f", uncovered {s['uncovered']:.6f}" if s.get("uncovered") else ""))
             else:
-                out.append(f"  [{r.seq}] {r.kind}: {p}")
+                detail = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("request", "task", "flow", "tenant"))
+                out.append(f"  [{r.seq}] {r.kind}: {detail}")
     return "\n".join(out)

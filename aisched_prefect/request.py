@@ -12,8 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from aisched_prefect.errors import InvalidAIRequest
 from dask_gpu import GPURequest
+from dask_gpu.request import MAX_GPU_MEMORY_GB
 
 _KIND = re.compile(r"^[a-z][a-z0-9-]*$")
+MAX_EST_SECONDS = 366 * 86_400.0
+"""A year: longer is a typo or inf, and would price a hold no budget can hold."""
+MAX_EST_TOKENS = 10**12
 
 
 class AIRequest(BaseModel):
@@ -22,24 +26,41 @@ class AIRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: str = Field(description="What the task does: training, inference, model-call, ...")
-    gpus: float = Field(default=0, ge=0, le=64, description="Whole GPUs on one worker, or a fraction (0.25, 0.5) of one.")
+    gpus: float = Field(default=0, ge=0, le=64, allow_inf_nan=False,
+                        description="Whole GPUs on one worker, or a fraction (0.01 to 0.99) of one.")
     gpu_memory_gb: float | None = Field(
-        default=None, gt=0, description="Whole GPUs: memory each must have. A fraction: memory reserved on the shared GPU.")
+        default=None, gt=0, le=MAX_GPU_MEMORY_GB, allow_inf_nan=False,
+        description="Whole GPUs: memory each must have. A fraction: memory reserved on the shared GPU.")
     gpu_type: str | tuple[str, ...] | None = Field(
         default=None, description="Required GPU type (H100, ...), or several acceptable ones; None = any.")
     model: str | None = Field(default=None, description="Model the task trains or calls.")
-    est_seconds: float = Field(default=0, ge=0, description="Expected runtime; prices the budget hold.")
-    est_tokens: int = Field(default=0, ge=0, description="Expected tokens; prices model calls.")
+    est_seconds: float = Field(default=0, ge=0, le=MAX_EST_SECONDS, allow_inf_nan=False,
+                               description="Expected runtime; prices the budget hold.")
+    est_tokens: int = Field(default=0, ge=0, le=MAX_EST_TOKENS, description="Expected tokens; prices model calls.")
     priority: int = Field(default=0, ge=-100, le=100, description="Higher goes first.")
     preemptible: bool = Field(
         default=False, description="May borrow idle GPUs beyond its tenant's quota in the cluster's queue, and be "
         "stopped to give them back: charged for what ran, then queued again (it starts over unless it resumes "
-        "from its own checkpoint). Needs whole GPUs and a runner with queue=True.")
+        "from its own checkpoint). Needs whole GPUs and the cluster's queue (on by default).")
+    hosts: int | None = Field(
+        default=None, ge=1, le=64, description="Spread whole GPUs over this many whole workers, one process per host "
+        "(a multi-host job: gpus=16, hosts=2 is 8 on each). None: one worker if one can hold it, else the fewest "
+        "whole workers that can.")
 
     @field_validator("gpu_type", mode="before")
     @classmethod
     def _types_as_tuple(cls, v: object) -> object:
         return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("gpus", "gpu_type")
+    @classmethod
+    def _resource_rules(cls, v: Any, info: Any) -> Any:
+        """The resource layer's rule for this one field (smallest fraction, named types), reported on the field."""
+        try:
+            GPURequest(**{info.field_name: v})
+        except ValidationError as exc:
+            raise ValueError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+        return v
 
     @field_validator("kind")
     @classmethod
@@ -55,6 +76,8 @@ class AIRequest(BaseModel):
             raise ValueError(
                 "est_seconds must be > 0 for a GPU task: it prices the budget hold (e.g. est_seconds=600)"
             )
+        if self.hosts is not None and self.hosts > 1 and self.gpus < 1:
+            raise ValueError("hosts > 1 needs whole gpus (a multiple of hosts): e.g. gpus=16, hosts=2")
         if (self.gpu_memory_gb or self.gpu_type) and not self.gpus:
             raise ValueError("gpu_memory_gb/gpu_type need gpus >= 1")
         if self.preemptible and self.gpus < 1:
@@ -69,14 +92,14 @@ class AIRequest(BaseModel):
             return cls(**fields)
         except ValidationError as exc:
             problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']} (got {e.get('input')!r})"
+                f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})"
                 for e in exc.errors()
             )
             raise InvalidAIRequest(f"invalid @ai_task request: {problems}") from None
 
     def gpu_request(self) -> GPURequest:
         try:
-            return GPURequest(gpus=self.gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type)
+            return GPURequest(gpus=self.gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type, hosts=self.hosts)
         except ValidationError as exc:
             raise ValueError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
 

@@ -1,86 +1,76 @@
-"""AISchedTaskRunner: Prefect's thread-pool runner plus admission and a GPU-aware Dask cluster.
+"""AISchedTaskRunner: Prefect's thread-pool runner, with every AI task admitted and run by the control plane.
 
 Task orchestration (states, retries, results) stays in the flow process, as
-with `ThreadPoolTaskRunner`; each AI task's body is admitted and sent to a Dask
-worker that assigns it devices. Plain `@task` tasks run in the flow process's
-threads exactly as under `ThreadPoolTaskRunner`.
+with `ThreadPoolTaskRunner`; each AI task call becomes one request to the
+control plane, which admits it, runs its body on a GPU worker and settles it.
+Plain `@task` tasks run in the flow process's threads exactly as under
+`ThreadPoolTaskRunner`.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import ValidationError
 
-from aisched_prefect.config import RunnerConfig
+from aisched_prefect.config import REFUSED, RunnerConfig
 from aisched_prefect.errors import ConfigurationError, NoAdmissionContext
 from aisched_prefect.session import RunnerSession
-from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock, ClusterBlock
 
 
 class AISchedTaskRunner(ThreadPoolTaskRunner):
-    """Admit every AI task (authority, budget, approval) and place it on a GPU of a Dask worker.
+    """Admit every AI task at the control plane (authority, budget, approval) and run it on a GPU worker.
 
     Args:
-        principal: who this flow acts as, e.g. "team-a/nightly".
-        authority: name of an AuthorityBlock (or the block itself).
-        budget: name of a BudgetBlock (or the block itself).
-        grant: id of the grant this flow acts under (a root grant or one delegated to the
-            principal); its whole chain is checked at every admission. None: the first root
-            grant for the principal that covers the run.
-        approval_policy: name of an ApprovalPolicyBlock; None approves without asking.
-        approver: "pause" (Prefect pause + UI form), "policy" (no person), or an Approver.
-        address: an existing Dask scheduler; None starts a LocalGPUCluster per flow run.
-        declared: declared GPU inventory for the embedded cluster (else DASK_GPU_DECLARED, else NVML).
-        ledger_url: SQLAlchemy URL of the ledger (else AISCHED_LEDGER_URL, else ~/.aisched/ledger.db).
+        principal: who this flow acts as, e.g. "team-a/nightly". With a control plane
+            configured, the credential decides; this may only repeat it.
+        authority: name of an AuthorityBlock. With a control plane configured the credential
+            names it (an operator applied it); with none, the runner starts an embedded control
+            plane that applies this block.
+        budget: name of a BudgetBlock (as `authority`).
+        approval_policy: name of an ApprovalPolicyBlock (as `authority`); None: nobody is asked.
+        cluster: name of a ClusterBlock with model-call limits and tenant weights (as `authority`).
+        grant: id of the grant this flow acts under (one issued or delegated to its
+            principal); None: the first of its grants that covers the run.
+        approver: "pause" (a person answers at the control plane; the flow run pauses
+            meanwhile, a deployment run is suspended) or "policy" (nobody is asked).
+        declared: declared GPU inventory for an embedded control plane's local cluster.
         max_workers: flow-process threads that run task engines.
-        tenant: who pays, for tenant-scoped budget limits; None: the principal up to its first '/'.
-        hold_lease_seconds: lease of each budget hold, renewed while its task runs; if this
-            process dies, its holds expire this long after the last renewal (charged in full).
-        top_up_fraction: a GPU task nearing the runtime its hold covers asks for this share of
-            est_seconds more; if refused, it is stopped when the cover runs out.
-        approval_hook: called with each ApprovalRequest when a person is asked (a callable), or
-            sent it as JSON (an http(s) URL): for teams that approve from chat.
-        cluster: name of a ClusterBlock (or the block): per-model concurrency and rate limits for
-            kind="model-call" tasks, shared by every flow run through Prefect's global concurrency limits.
-        queue: wait in the cluster's one queue (a scheduler plugin, `dask_gpu.queue_plugin`) with every
-            other flow run, and go to Dask only when the fair-share policy starts the run (whole GPUs).
+        tenant: who pays (embedded control plane only); None: the principal up to its first '/'.
+        approval_hook: called with each ApprovalView when a person is asked (a callable),
+            or sent it as JSON (an http(s) URL): for teams that approve from chat.
+        queue: embedded control plane only: every GPU run waits in the cluster's one fair-share queue (the
+            default); False hands runs to Dask directly (no fairness, no gang placement through the queue).
+        control_plane: URL(s) of `aisched serve` (else AISCHED_CONTROL_PLANE).
+        credential: the token an operator issued (else AISCHED_TOKEN).
     """
 
-    def __init__(
-        self,
-        principal: str,
-        authority: str | AuthorityBlock,
-        budget: str | BudgetBlock,
-        grant: str | None = None,
-        approval_policy: str | ApprovalPolicyBlock | None = None,
-        approver: Any = "pause",
-        address: str | None = None,
-        declared: str | None = None,
-        ledger_url: str | None = None,
-        max_workers: int | None = None,
-        ticket_ttl_seconds: float = 24 * 3600,
-        tenant: str | None = None,
-        hold_lease_seconds: float = 300.0,
-        top_up_fraction: float = 0.5,
-        approval_hook: Any = None,
-        cluster: str | ClusterBlock | None = None,
-        queue: bool = False,
-    ) -> None:
+    def __init__(self, principal: str | None = None, authority: Any = None, budget: Any = None,
+                 grant: str | None = None, approval_policy: Any = None, approver: str = "pause",
+                 declared: str | None = None, max_workers: int | None = None, tenant: str | None = None,
+                 approval_hook: Any = None, cluster: Any = None, queue: bool = True,
+                 control_plane: str | None = None, credential: str | None = None, **refused: Any) -> None:
+        for name in refused:
+            if name in REFUSED:
+                raise ConfigurationError(f"AISchedTaskRunner({name}=...) is refused: {REFUSED[name]}")
+            raise TypeError(f"AISchedTaskRunner got an unexpected argument {name!r}")
         try:
             self._config = RunnerConfig(
                 principal=principal, authority=authority, budget=budget, grant=grant, approval_policy=approval_policy,
-                approver=approver, address=address, declared=declared, ledger_url=ledger_url,
-                max_workers=max_workers, ticket_ttl_seconds=ticket_ttl_seconds, tenant=tenant,
-                hold_lease_seconds=hold_lease_seconds, top_up_fraction=top_up_fraction, approval_hook=approval_hook,
-                cluster=cluster, queue=queue,
-            )
+                approver=approver, declared=declared, max_workers=max_workers, tenant=tenant,
+                approval_hook=approval_hook, cluster=cluster, queue=queue, control_plane=control_plane,
+                credential=credential)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                                 for e in exc.errors())
             raise ConfigurationError(f"AISchedTaskRunner: {problems}") from None
         super().__init__(max_workers=max_workers)
         self._session: RunnerSession | None = None
+        self._session_error: BaseException | None = None
+        self._entered = False
+        self._lock = threading.Lock()
 
     @property
     def config(self) -> RunnerConfig:
@@ -91,32 +81,51 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
 
     @property
     def session(self) -> RunnerSession:
-        if self._session is None:
-            raise NoAdmissionContext("AISchedTaskRunner is not started: AI tasks run inside the flow that uses it")
-        return self._session
+        """The flow run's session, opened by its first AI task call.
+
+        Lazily, so that a configuration problem (a missing block, no credential, a control plane
+        that does not answer) fails the AI task that met it, and so the flow run ends Failed with
+        that one message, instead of failing the runner's start, which leaves the run Running.
+        """
+        with self._lock:
+            if not self._entered:
+                raise NoAdmissionContext("AISchedTaskRunner is not started: AI tasks run inside the flow that uses it")
+            if self._session_error is not None:
+                raise self._session_error
+            if self._session is None:
+                try:
+                    self._session = RunnerSession(self._config)
+                except BaseException as exc:
+                    self._session_error = exc
+                    raise
+            return self._session
 
     def __enter__(self) -> AISchedTaskRunner:
         super().__enter__()
-        try:
-            self._session = RunnerSession(self._config)
-        except BaseException:
-            super().__exit__(None, None, None)
-            raise
+        self._entered = True
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
             super().__exit__(exc_type, exc_value, traceback)  # waits for running task engines
         finally:
-            session, self._session = self._session, None
+            with self._lock:
+                session, self._session, self._entered, self._session_error = self._session, None, False, None
             if session is not None:
                 session.close()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AISchedTaskRunner) and other._config == self._config
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_session"] = None
         state["_executor"] = None
+        state["_session_error"] = None
+        state["_entered"] = False
+        state.pop("_lock", None)
         return state

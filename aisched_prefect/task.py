@@ -15,12 +15,15 @@ from typing import Any, TypeVar, overload
 from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 
-from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, InvalidAIRequest, NoAdmissionContext, TicketRejected
+from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, InvalidAIRequest, NoAdmissionContext
+from dask_gpu.tickets import TicketRejected
+from aisched_prefect.logs import quiet_expected_outcomes
 from aisched_prefect.request import AIRequest
 
 R = TypeVar("R")
 
 REQUEST_ATTR = "__aisched_request__"
+BODY_ATTR = "__aisched_body__"
 _NEVER_RETRY = (AdmissionDenied, ApprovalSuspended, NoAdmissionContext, TicketRejected)
 
 
@@ -41,12 +44,13 @@ def _admit_and_run(fn: Callable[..., Any], request: AIRequest, args: tuple[Any, 
             f"AI task {fn.__name__!r} ran without admission: call it inside a flow declared with "
             "@flow(task_runner=AISchedTaskRunner(principal=..., authority=..., budget=...))"
         )
+    quiet_expected_outcomes()
     return runner.session.run(
         fn, request, args, kwargs, task_name=task_ctx.task.name,
         task_run_id=str(task_ctx.task_run.id), flow_run_id=str(flow_ctx.flow_run.id),
         flow_name=flow_ctx.flow.name if flow_ctx.flow else None,
-        flow_version=flow_ctx.flow.version if flow_ctx.flow else None,
         run_key=f"{flow_ctx.flow_run.id}/{task_ctx.task_run.task_key}",
+        deployment=bool(flow_ctx.flow_run.deployment_id), attempt=max(task_ctx.task_run.run_count, 1),
     )
 
 
@@ -79,12 +83,18 @@ def ai_task(
     est_tokens: int = 0,
     priority: int = 0,
     preemptible: bool = False,
+    hosts: int | None = None,
     **task_options: Any,
 ) -> Any:
     """Declare an AI task: what it needs (GPUs, memory, type), what it is, what it will cost.
 
+    A run wider than every worker (`gpus=16` on 8-GPU workers), or with
+    `hosts=N`, is a multi-host job: one admission, on whole workers all at once,
+    its body run once per host with the rendezvous environment torchrun reads
+    (`dask_gpu.torchrun_args`); the flow gets member 0's return value.
+
     `preemptible=True` lets the run borrow idle GPUs of other tenants in the
-    cluster's queue (runner `queue=True`) and be stopped to give them back:
+    cluster's queue and be stopped to give them back:
     it is charged for what ran and queued again. Make it stoppable
     (`run_subprocess`, or `checkpoint()` in Python loops) and, to lose
     nothing, resumable from its own checkpoint files.
@@ -93,21 +103,52 @@ def ai_task(
     """
     request = AIRequest.build(
         kind=kind, gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_type=gpu_type, model=model,
-        est_seconds=est_seconds, est_tokens=est_tokens, priority=priority, preemptible=preemptible,
+        est_seconds=est_seconds, est_tokens=est_tokens, priority=priority, preemptible=preemptible, hosts=hosts,
     )
 
     def decorate(fn: Callable[..., Any]) -> Task[Any, Any]:
         if inspect.iscoroutinefunction(fn):
             raise InvalidAIRequest(f"@ai_task {fn.__name__!r}: async functions are not supported yet; use `def`")
-
-        @functools.wraps(fn)
-        def admitted(*args: Any, **kwargs: Any) -> Any:
-            return _admit_and_run(fn, request, args, kwargs)
-
-        setattr(admitted, REQUEST_ATTR, request)
         options = dict(task_options)
         options["retry_condition_fn"] = _retry_unless_denied(options.get("retry_condition_fn"))
         options.setdefault("name", fn.__name__)
-        return Task(fn=admitted, **options)
+        return AITask(fn=_admitted(fn, request), **options)
 
     return decorate(__fn) if __fn is not None else decorate
+
+
+REQUEST_FIELDS = tuple(AIRequest.model_fields)
+
+
+def _admitted(fn: Callable[..., Any], request: AIRequest) -> Callable[..., Any]:
+    """The task's function: every call of it is admitted with `request`."""
+
+    @functools.wraps(fn)
+    def admitted(*args: Any, **kwargs: Any) -> Any:
+        return _admit_and_run(fn, request, args, kwargs)
+
+    setattr(admitted, REQUEST_ATTR, request)
+    setattr(admitted, BODY_ATTR, fn)
+    return admitted
+
+
+class AITask(Task):  # type: ignore[type-arg]
+    """A Prefect task whose calls are admitted; `with_options` also takes what it asks for.
+
+    >>> @ai_task(gpus=1, kind="training", est_seconds=60)
+    ... def train(cfg): ...
+    >>> request_of(train.with_options(gpus=4, est_seconds=600)).gpus
+    4.0
+    """
+
+    def with_options(self, **options: Any) -> Task[Any, Any]:
+        asked = {k: options.pop(k) for k in list(options) if k in REQUEST_FIELDS}
+        copy = super().with_options(**options)
+        copy.__class__ = type(self)  # Prefect builds a plain Task; the copy stays one whose options take requests
+        if not asked:
+            return copy
+        current = request_of(self)
+        assert current is not None
+        request = AIRequest.build(**{**current.model_dump(), **asked})
+        copy.fn = _admitted(getattr(self.fn, BODY_ATTR), request)
+        return copy

@@ -1,18 +1,21 @@
 """What a running AI task reports it used: tokens and provider cost, for settlement.
 
-`report_usage` is called inside the task body, on the Dask worker. The tally
-lives in a context variable that `run_admitted` opens around the one call, so
-reports of concurrent tasks on one worker never mix, and it travels back to
-the flow process with the result.
+`report_usage` is called inside the task body, in the body's own process on
+its worker: each report travels back with the result (never through the flow
+process), and the control plane charges their sum. Reports are checked here and
+again by the control plane; a body can only report, never settle.
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+import math
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from aisched_prefect.errors import InvalidUsage, NoAdmissionContext
+
+
+MAX_REPORTED = 1e15
 
 
 class ReportedUsage(BaseModel):
@@ -20,15 +23,12 @@ class ReportedUsage(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    tokens: int = Field(default=0, ge=0)
-    input_tokens: int = Field(default=0, ge=0)
-    output_tokens: int = Field(default=0, ge=0)
-    cost: float | None = Field(default=None, ge=0)
+    tokens: int = Field(default=0, ge=0, le=MAX_REPORTED)
+    input_tokens: int = Field(default=0, ge=0, le=MAX_REPORTED)
+    output_tokens: int = Field(default=0, ge=0, le=MAX_REPORTED)
+    cost: float | None = Field(default=None, ge=0, le=MAX_REPORTED, allow_inf_nan=False)
     """Money the provider charged, when the call reports it; else tokens are priced by the budget."""
-    calls: int = 0
-
-
-_tally: ContextVar[list[ReportedUsage] | None] = ContextVar("aisched_usage", default=None)
+    calls: int = Field(default=0, ge=0, le=MAX_REPORTED)
 
 
 def report_usage(*, tokens: int | None = None, input_tokens: int = 0, output_tokens: int = 0,
@@ -39,24 +39,48 @@ def report_usage(*, tokens: int | None = None, input_tokens: int = 0, output_tok
     charge in the budget's currency; without it, tokens are priced by the
     BudgetBlock's token_prices_per_1k.
     """
-    reports = _tally.get()
-    if reports is None:
-        raise NoAdmissionContext("report_usage() is called inside an @ai_task's body, while it runs")
+    from dask_gpu.child import report
+
     for name, value in (("tokens", tokens), ("input_tokens", input_tokens), ("output_tokens", output_tokens), ("cost", cost)):
-        if value is not None and value < 0:
-            raise InvalidUsage(f"report_usage({name}={value!r}): usage cannot be negative; report what the call used")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and 0 <= value <= MAX_REPORTED):
+            raise InvalidUsage(f"report_usage({name}={value!r}): usage must be a finite number from 0 to "
+                               f"{MAX_REPORTED:g}. Fix: report what the call used")
+        if name != "cost" and value != int(value):
+            raise InvalidUsage(f"report_usage({name}={value!r}): tokens are counted in whole tokens. Fix: pass an int")
+    tokens, input_tokens, output_tokens = (None if tokens is None else int(tokens)), int(input_tokens), int(output_tokens)
     total = tokens if tokens is not None else input_tokens + output_tokens
-    reports.append(ReportedUsage(tokens=total, input_tokens=input_tokens, output_tokens=output_tokens, cost=cost, calls=1))
+    usage = ReportedUsage(tokens=total, input_tokens=input_tokens, output_tokens=output_tokens, cost=cost, calls=1)
+    if not report({"usage": usage.model_dump()}):
+        raise NoAdmissionContext("report_usage() is called inside an @ai_task's body, while it runs on its worker")
 
 
-def open_tally() -> tuple[list[ReportedUsage], object]:
-    """Start collecting reports for the call about to run in this context."""
-    reports: list[ReportedUsage] = []
-    return reports, _tally.set(reports)
+def reported(items: list[object]) -> ReportedUsage | None:
+    """The usage a body's reports add up to, checked again on the control plane (a body can send anything).
 
-
-def close_tally(token: object) -> None:
-    _tally.reset(token)  # type: ignore[arg-type]
+    Raises InvalidUsage naming the first report that is not a valid usage report.
+    """
+    out: list[ReportedUsage] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InvalidUsage(f"invalid usage report #{i + 1}: {str(item)[:200]!r} is not a report. Fix: report "
+                               "usage only with report_usage()")
+        if "usage" not in item:
+            continue
+        try:
+            out.append(ReportedUsage.model_validate(item["usage"]))
+        except Exception as exc:  # ValidationError, or a payload that is not even a mapping
+            first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
+            where = ".".join(str(x) for x in first.get("loc", ())) or "usage"
+            raise InvalidUsage(f"invalid usage report #{i + 1}: {where}: {first.get('msg')} (got "
+                               f"{str(item['usage'])[:200]}). Fix: report usage only with report_usage()") from None
+    try:
+        return summed(out)
+    except ValueError:  # each report fits, their sum does not
+        raise InvalidUsage(f"invalid usage reports: {len(out)} reports add up to more than {MAX_REPORTED:g}. Fix: "
+                           "report what the calls used") from None
 
 
 def summed(reports: list[ReportedUsage]) -> ReportedUsage | None:

@@ -21,11 +21,11 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, Literal, TextIO
 from uuid import UUID
 
-import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict
 
 from aisched_prefect.errors import AISchedError
-from aisched_prefect.ledger import MICROS, Ledger, evidence, holds, rolling_seconds, to_micros
+from aisched_prefect.ledger import MICROS, Ledger, rolling_seconds, to_micros
+from aisched_prefect.ledger.queries import SETTLED_KINDS, settled_runs
 
 GroupBy = Literal["tenant", "principal", "flow", "model", "gpu-type", "day"]
 GROUPS: tuple[str, ...] = ("tenant", "principal", "flow", "model", "gpu-type", "day")
@@ -33,8 +33,6 @@ NONE = "(none)"  # the group of runs without a model or GPU type
 UNKNOWN_FLOW = "(unknown)"
 CENT = Decimal("0.01")
 MICRO = Decimal("0.000001")
-_RAN = ("settlement",)  # evidence kinds that close a run that may have run
-_ASKED = ("admission", "approval-requested", "top-up")
 CSV_COLUMNS = ["settled_at", "flow_run_id", "task_run_id", "task", "tenant", "principal", "flow", "model", "gpu_type",
                "kind", "outcome", "gpus", "seconds", "gpu_hours", "tokens", "money", "uncovered", "money_account"]
 
@@ -190,77 +188,49 @@ def _depth(budget: str) -> tuple[int, str]:
     return budget.count("/") + budget.count("#"), budget
 
 
-def _window(col: Any, since: datetime | None, until: datetime | None) -> Any:
-    """`col` (epoch seconds) within [since, until), widened by a minute: a candidate filter, made exact later."""
-    cond = sa.true()
-    if since is not None:
-        cond = cond & (col >= since.timestamp() - 60)
-    if until is not None:
-        cond = cond & (col < until.timestamp() + 60)
-    return cond
-
-
-def _read(ledger: Ledger, flow_run_id: str | None, since: datetime | None = None,
-          until: datetime | None = None) -> tuple[list[Any], list[Any]]:
-    """Settled holds and the evidence that describes their runs, in one read transaction.
-
-    With a window, only runs settled near it are read whole (every hold, the admission): a day's
-    report does not decode the whole evidence log.
-    """
-    hq = sa.select(holds).where(holds.c.status != "pending")
-    eq = sa.select(evidence.c.seq, evidence.c.ts, evidence.c.kind, evidence.c.flow_run_id, evidence.c.task_run_id,
-                   evidence.c.principal, evidence.c.payload).where(evidence.c.kind.in_(_RAN + _ASKED))
-    if flow_run_id is not None:
-        hq, eq = hq.where(holds.c.flow_run_id == flow_run_id), eq.where(evidence.c.flow_run_id == flow_run_id)
-    with ledger.reader.connect() as conn:
-        if since is None and until is None:
-            return conn.execute(hq.order_by(holds.c.created_at, holds.c.id)).all(), conn.execute(eq.order_by(evidence.c.seq)).all()
-        near = conn.execute(sa.union(
-            sa.select(holds.c.task_run_id).where((holds.c.status != "pending") & _window(holds.c.settled_at, since, until)),
-            sa.select(evidence.c.task_run_id).where((evidence.c.kind.in_(_RAN)) & _window(evidence.c.ts, since, until)),
-        )).scalars().all()
-        runs = sorted(r for r in near if r is not None)
-        found_h: list[Any] = []
-        found_e: list[Any] = []
-        for i in range(0, len(runs), 500):  # under every backend's limit of bound parameters
-            chunk = runs[i:i + 500]
-            found_h += conn.execute(hq.where(holds.c.task_run_id.in_(chunk))).all()
-            found_e += conn.execute(eq.where(evidence.c.task_run_id.in_(chunk))).all()
-    return sorted(found_h, key=lambda h: (h.created_at, h.id)), sorted(found_e, key=lambda r: r.seq)
-
-
 def usage_rows(ledger: Ledger, *, flow_run_id: str | None = None, since: datetime | None = None,
                until: datetime | None = None, flow_names: Mapping[str, str] | None = None) -> list[UsageRow]:
     """One row per settled run (oldest first); runs that never ran and were charged nothing are left out.
 
     `flow_names` (flow run id -> flow name) names the flows of runs whose evidence does not.
     """
-    held, records = _read(ledger, flow_run_id, since, until)
+    held, records = settled_runs(ledger.reader, flow_run_id, since, until)
     by_run: dict[str, list[Any]] = {}
     for h in held:
         by_run.setdefault(h.task_run_id or f"hold-{h.id}", []).append(h)
-    settled: dict[str, Any] = {}
+    # A run may be settled more than once (preempted, charged, admitted again and settled at its end): every
+    # settlement's seconds and tokens count, as every one was charged. Its request is its admission's: a top-up
+    # record carries none, only the seconds it added to the cover.
+    settled: dict[str, list[Any]] = {}
     asked: dict[str, Any] = {}
+    topped: dict[str, list[float]] = {}
     for r in records:
         if r.task_run_id is None:
             continue
-        (settled if r.kind in _RAN else asked)[r.task_run_id] = r  # the last of each
+        if r.kind in SETTLED_KINDS:
+            settled.setdefault(r.task_run_id, []).append(r)
+        elif r.kind == "top-up":
+            topped.setdefault(r.task_run_id, []).append(float((r.payload.get("top_up") or {}).get("seconds") or 0))
+        else:
+            asked[r.task_run_id] = r  # the last admission (a run admitted again holds anew)
     rows = []
     for run in sorted(set(by_run) | set(settled)):
-        hs, rec = by_run.get(run, []), settled.get(run)
-        placed = rec is not None and bool(rec.payload.get("placement"))
+        hs, recs = by_run.get(run, []), settled.get(run, [])
+        placed = any(rec.payload.get("placement") for rec in recs)
         if any(h.status == "pending" for h in hs) or not (placed or any(h.status in ("posted", "expired") for h in hs)):
             continue  # still running, or never ran and charged nothing
-        row = _row(run, hs, rec, asked.get(run), flow_names or {})
+        row = _row(run, hs, recs, asked.get(run), topped.get(run, []), flow_names or {})
         if (since is None or row.settled_at >= since) and (until is None or row.settled_at < until):
             rows.append(row)
     return sorted(rows, key=lambda r: (r.settled_at, r.task_run_id))
 
 
-def _row(run: str, hs: list[Any], rec: Any, ask: Any, flow_names: Mapping[str, str]) -> UsageRow:
+def _row(run: str, hs: list[Any], recs: list[Any], ask: Any, topped: list[float],
+         flow_names: Mapping[str, str]) -> UsageRow:
+    rec = recs[-1] if recs else None
     source = rec if rec is not None else ask
     p: dict[str, Any] = source.payload if source is not None else {}
-    req = p.get("request") or {}
+    req = p.get("request") or (ask.payload.get("request") if ask is not None else None) or {}
     sums: dict[tuple[str, str, str], int] = {}
     for h in hs:
         sums[(h.budget, h.period, h.unit)] = sums.get((h.budget, h.period, h.unit), 0) + (h.charged_micros or 0)
@@ -269,14 +239,18 @@ def _row(run: str, hs: list[Any], rec: Any, ask: Any, flow_names: Mapping[str, s
     money_accounts = sorted({h.budget for h in hs if h.unit == "money" and h.status != "voided"}, key=_depth)
     account = money_accounts[0] if money_accounts else None
     money = sum((c.micros for c in charges if c.budget == account), 0)
-    uncovered = sum(to_micros(s.get("uncovered") or 0) for s in p.get("settlements") or []
-                    if s.get("budget") == account) if rec is not None else 0
+    uncovered = sum(to_micros(s.get("uncovered") or 0) for r in recs for s in r.payload.get("settlements") or []
+                    if s.get("budget") == account)
     placement = p.get("placement") or {}
     gpus = float(req.get("gpus") or 0)
-    seconds = p.get("seconds") if rec is not None else None
-    ran = seconds if seconds is not None else float(req.get("est_seconds") or 0)
-    usage = p.get("usage") if rec is not None else None
-    tokens = int(usage["tokens"]) if usage else int(req.get("est_tokens") or 0)
+    timed = [float(r.payload["seconds"]) for r in recs if r.payload.get("seconds") is not None]
+    seconds = sum(timed) if timed else None
+    # Each settlement charged its own seconds; with none (its holds expired) it is reported at what it held, the
+    # estimate and each top-up, since nobody knows what ran. Summed as the ledger posted them, in micro-units.
+    spans = timed if timed else [float(req.get("est_seconds") or 0), *topped]
+    gpu_micros = sum(to_micros(gpus * x / 3600) for x in spans)
+    tokens = sum(int(r.payload["usage"]["tokens"]) if r.payload.get("usage") else int(req.get("est_tokens") or 0)
+                 for r in recs) if recs else int(req.get("est_tokens") or 0)
     gpu_type = placement.get("gpu_type") or (p.get("estimate") or {}).get("gpu_type_priced")
     if gpu_type is None and isinstance(req.get("gpu_type"), str):
         gpu_type = req["gpu_type"]
@@ -294,7 +268,7 @@ def _row(run: str, hs: list[Any], rec: Any, ask: Any, flow_names: Mapping[str, s
         task=p.get("task"), tenant=p.get("tenant") or (principal or NONE).split("/")[0], principal=principal,
         flow=p.get("flow") or flow_names.get(flow_run or "") or UNKNOWN_FLOW, model=req.get("model"),
         gpu_type=gpu_type, kind=req.get("kind"), outcome=outcome, gpus=gpus, seconds=seconds,
-        gpu_hours=_dec(to_micros(gpus * ran / 3600)) if gpus else Decimal("0.000000"), tokens=tokens,
+        gpu_hours=_dec(gpu_micros) if gpus else Decimal("0.000000"), tokens=tokens,
         money=_dec(money), uncovered=_dec(uncovered), money_account=account, charges=charges,
     )
 
@@ -509,36 +483,48 @@ def prefect_flow_names(client: Any, flow_run_ids: Iterable[str]) -> dict[str, st
     return {str(r.id): names[r.flow_id] for r in runs if r.flow_id in names}
 
 
-def publish_report_artifacts(ledger: Ledger, flow_run_id: str, *, client: Any = None,
-                             now: datetime | None = None) -> tuple[str, str]:
-    """Create the flow run's usage artifact and overwrite today's (a new version under the same key).
+def _client_or_new(client: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    if client is not None:
+        return fn(*args, client=client, **kwargs)
+    from prefect.client.orchestration import get_client
 
-    Returns the two keys. `client`: a sync Prefect client (default: a new one).
+    with get_client(sync_client=True) as own:
+        return fn(*args, client=own, **kwargs)
+
+
+def publish_flow_run_artifact(ledger: Ledger, flow_run_id: str, *, client: Any = None) -> str:
+    """Create the flow run's usage artifact; returns its key. Reads only that flow run's records."""
+    if client is None:
+        return _client_or_new(None, publish_flow_run_artifact, ledger, flow_run_id)
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    rows = name_flows(usage_rows(ledger, flow_run_id=flow_run_id), lambda ids: prefect_flow_names(client, ids))
+    key = flow_run_key(flow_run_id)
+    client.create_artifact(ArtifactCreate(
+        key=key, type="markdown", flow_run_id=UUID(str(flow_run_id)),
+        data=flow_run_markdown(rows, budget_rows(ledger, rows, only_touched=True), flow_run_id),
+        description="GPU-hours, tokens and money of this flow run's AI tasks, and the budgets they touched."))
+    return key
+
+
+def publish_day_artifact(ledger: Ledger, *, client: Any = None, now: datetime | None = None) -> str:
+    """Overwrite the day's usage artifact (a new version under the same key); returns its key.
+
+    It reads the whole day, so the control plane publishes it on a schedule, not at every flow run's end.
     """
     if client is None:
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as own:
-            return publish_report_artifacts(ledger, flow_run_id, client=own, now=now)
+        return _client_or_new(None, publish_day_artifact, ledger, now=now)
     from prefect.client.schemas.actions import ArtifactCreate
 
     day = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).date()
     start = datetime.combine(day, dtime.min, tzinfo=timezone.utc)
-    day_rows = usage_rows(ledger, since=start, until=start + timedelta(days=1))
-    run_rows = usage_rows(ledger, flow_run_id=flow_run_id)
-    # evidence written before settlements named their flow: ask Prefect, once for both
-    named = name_flows([*day_rows, *run_rows], lambda ids: prefect_flow_names(client, ids))
-    day_rows, run_rows = named[:len(day_rows)], named[len(day_rows):]
-    keys = (flow_run_key(flow_run_id), day_key(day))
+    rows = name_flows(usage_rows(ledger, since=start, until=start + timedelta(days=1)),
+                      lambda ids: prefect_flow_names(client, ids))
+    key = day_key(day)
     client.create_artifact(ArtifactCreate(
-        key=keys[0], type="markdown", flow_run_id=UUID(str(flow_run_id)),
-        data=flow_run_markdown(run_rows, budget_rows(ledger, run_rows, only_touched=True), flow_run_id),
-        description="GPU-hours, tokens and money of this flow run's AI tasks, and the budgets they touched."))
-    client.create_artifact(ArtifactCreate(
-        key=keys[1], type="markdown", flow_run_id=UUID(str(flow_run_id)),
-        data=day_markdown(day_rows, budget_rows(ledger, day_rows), day),
+        key=key, type="markdown", data=day_markdown(rows, budget_rows(ledger, rows), day),
         description=f"Every AI run settled on {day.isoformat()} (UTC) in this ledger, against every budget."))
-    return keys
+    return key
 
 
 def csv_text(rows: Iterable[UsageRow]) -> str:

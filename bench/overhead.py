@@ -1,13 +1,15 @@
-"""Per-task overhead: prefect-dask's DaskTaskRunner vs AISchedTaskRunner (admission on) vs ThreadPoolTaskRunner.
+"""Per-task overhead through the control plane, against ThreadPoolTaskRunner and prefect-dask, in one run.
 
 The same flow of N trivial tasks runs under each runner against the same
-running GPU-aware Dask cluster and the same Prefect test server. AISched's
-tasks are @ai_task(gpus=1) and pass the whole admission path: feasibility,
-pricing, grant check, budget hold + evidence (one SQLite transaction), device
-assignment on the worker, settlement + evidence. Prints seconds, per-task
-overhead and the ratios the walking-skeleton issue sets as targets.
+Prefect test server and the same GPU-aware Dask cluster (a scheduler and
+workers in their own processes, as a shared cluster runs). AISched's tasks are
+@ai_task(gpus=1): each call is one request to a control plane (`aisched serve`,
+its own process, the cluster's only client) that admits it (feasibility,
+pricing, grant chain, budget hold + evidence), hands it to Dask with a signed
+ticket, runs the body in its own process on the worker, and settles it.
+Also times one 100 MB result's round trip on each path.
 
-    make bench            # or: .venv/bin/python bench/overhead.py --tasks 200
+    make bench            # or: .venv/bin/python bench/overhead.py --tasks 200 1000
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "ERROR")
@@ -31,17 +34,20 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.testing.utilities import prefect_test_harness
 from prefect_dask import DaskTaskRunner
 
-from aisched_prefect import AISchedTaskRunner, Ledger, ai_task
+from aisched_prefect import AISchedTaskRunner, ai_task
+from aisched_prefect.control.process import ControlPlaneProcess
+from aisched_prefect.control.service import load_or_make_key
 from blocks import AuthorityBlock, BudgetBlock, Grant
+from dask_gpu.tickets import TicketSigner
+
+DASK = os.path.join(os.path.dirname(sys.executable), "dask")
+SETTLE_SECONDS = 5.0
+BIG = 100 * 2**20
 
 
 @contextmanager
-def external_cluster(workers: int, per_worker: str):
-    """A Dask scheduler and GPU workers in their own processes, started as an operator would.
-
-    Keeping the scheduler out of the flow process is how a shared cluster runs,
-    and leaves the flow process to the runner being measured.
-    """
+def external_cluster(workers: int, per_worker: str, trusted_key: str):
+    """A Dask scheduler and GPU workers in their own processes, trusting the control plane's key."""
     tmp = tempfile.mkdtemp()
     scheduler_file = os.path.join(tmp, "scheduler.json")
     common = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
@@ -49,9 +55,10 @@ def external_cluster(workers: int, per_worker: str):
                                "--scheduler-file", scheduler_file], **common)]
     try:
         procs.append(subprocess.Popen(
-            [DASK, "worker", "--scheduler-file", scheduler_file, "--nworkers", str(workers), "--nthreads", "5",
+            [DASK, "worker", "--scheduler-file", scheduler_file, "--nworkers", str(workers), "--nthreads", "8",
              "--host", "127.0.0.1", "--no-dashboard", "--preload", "dask_gpu.preload"],
-            env={**os.environ, "DASK_GPU_DECLARED": per_worker}, **common))
+            env={**os.environ, "DASK_GPU_DECLARED": per_worker, "DASK_GPU_TRUSTED_KEYS": trusted_key,
+                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, **common))
         deadline = time.time() + 60
         while not os.path.exists(scheduler_file) and time.time() < deadline:
             time.sleep(0.1)
@@ -69,84 +76,99 @@ def trivial(i: int) -> int:
     return i
 
 
-SETTLE_SECONDS = 8.0
-DASK = os.path.join(os.path.dirname(sys.executable), "dask")
-
-
 @ai_task(gpus=1, kind="inference", est_seconds=1)
 def trivial_ai(i: int) -> int:
     return i
 
 
-def timed(make_flow, n: int, repeats: int) -> float:
-    """Best of `repeats` timed runs after a warm-up.
+@task
+def big() -> bytes:
+    return os.urandom(BIG)
 
-    The test server runs in this process and works off each flow's events for
-    a while after the flow ends; a pause before each run keeps one runner's
-    backlog from being billed to the next.
-    """
-    f = make_flow()
-    f(n)  # warm-up: imports on the workers, first connections
+
+@ai_task(gpus=1, kind="inference", est_seconds=10)
+def big_ai() -> bytes:
+    return os.urandom(BIG)
+
+
+def timed(f, arg, repeats: int) -> float:
+    """Best of `repeats` runs after a warm-up; a pause before each lets the test server work off its backlog."""
+    f(arg)
     best = float("inf")
     for _ in range(repeats):
         time.sleep(SETTLE_SECONDS)
         t0 = time.perf_counter()
-        f(n)
+        f(arg)
         best = min(best, time.perf_counter() - t0)
     return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--tasks", type=int, nargs="+", default=[200, 1000])
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--gpus-per-worker", default="4 GPUs, 80 GB, H100")
-    parser.add_argument("--queue", action="store_true",
-                        help="also time AISchedTaskRunner(queue=True): every run waits in the cluster's one queue")
+    parser.add_argument("--skip-dask", action="store_true", help="leave prefect-dask out (it takes minutes at 1000)")
     args = parser.parse_args()
-    n = args.tasks
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    ledger_url = f"sqlite:///{tempfile.mkdtemp()}/bench-ledger.db"
+    home = Path(tempfile.mkdtemp())
+    key = TicketSigner(load_or_make_key(home / "control.key")).public_key.hex()
 
     with prefect_test_harness(server_startup_timeout=60), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         os.environ["PREFECT_API_URL"] = PREFECT_API_URL.value()  # prefect-dask's workers need the API
-        with external_cluster(args.workers, args.gpus_per_worker) as address:
-            logging.getLogger("distributed").setLevel(logging.ERROR)
+        with external_cluster(args.workers, args.gpus_per_worker, key) as address:
+            plane = ControlPlaneProcess(home, dask_address=address).start()
+            try:
+                plane.apply("authority", "bench", AuthorityBlock(grants=[
+                    Grant(id="bench", principal="bench/flow", max_gpus=1, max_cost_per_run=1)]))
+                plane.apply("budget", "bench", BudgetBlock(limit=1_000_000, gpu_hour_prices={"*": 1.0}))
+                token = plane.issue("bench/flow", authority="bench", budget="bench")
+                aisched = AISchedTaskRunner(control_plane=plane.url, credential=token)
 
-            def make(runner, fn):
-                @flow(task_runner=runner)
-                def bench_flow(n: int) -> int:
-                    return sum(f.result() for f in fn.map(range(n)))
-                return bench_flow
+                def make(runner, fn):
+                    @flow(task_runner=runner)
+                    def bench_flow(n: int) -> int:
+                        return sum(f.result() for f in fn.map(range(n)))
+                    return bench_flow
 
-            def aisched_runner(queue: bool = False) -> AISchedTaskRunner:
-                return AISchedTaskRunner(
-                    principal="bench/flow", address=address, ledger_url=ledger_url, queue=queue,
-                    authority=AuthorityBlock(grants=[Grant(id="bench", principal="bench/*", max_gpus=1, max_cost_per_run=1)]),
-                    budget=BudgetBlock(limit=1_000_000, gpu_hour_prices={"*": 1.0}),
-                )
+                def one(runner, fn):
+                    @flow(task_runner=runner)
+                    def big_flow(n: int) -> int:
+                        return len(fn())
+                    return big_flow
 
-            aisched = aisched_runner()
-            results = {
-                "ThreadPoolTaskRunner": timed(lambda: make(ThreadPoolTaskRunner(), trivial), n, args.repeats),
-                "AISchedTaskRunner (admission on)": timed(lambda: make(aisched, trivial_ai), n, args.repeats),
-                "prefect-dask DaskTaskRunner": timed(lambda: make(DaskTaskRunner(address=address), trivial), n, args.repeats),
-            }
-            if args.queue:
-                queued = aisched_runner(queue=True)
-                results["AISchedTaskRunner (queue=True)"] = timed(lambda: make(queued, trivial_ai), n, args.repeats)
-    records = Ledger(ledger_url).verify().records
-    print(f"\n{n} trivial tasks per flow, same Dask cluster ({args.workers} workers x {args.gpus_per_worker}), {os.cpu_count()} cores")
-    for name, seconds in results.items():
-        print(f"  {name:34s} {seconds:7.2f} s   {1000 * seconds / n:7.2f} ms/task")
-    ours, dask, threads = (results["AISchedTaskRunner (admission on)"], results["prefect-dask DaskTaskRunner"],
-                           results["ThreadPoolTaskRunner"])
-    print(f"  AISched / prefect-dask     = {ours / dask:.3f}   (target <= 0.20)")
-    print(f"  AISched / ThreadPool       = {ours / threads:.3f}   (target <= 2.0)")
-    if "AISchedTaskRunner (queue=True)" in results:
-        print(f"  queue=True / admission on  = {results['AISchedTaskRunner (queue=True)'] / ours:.3f}")
-    print(f"  evidence records written: {records} (2 per AI task run; chain verified)")
+                rows: list[tuple[str, int, float]] = []
+                for n in args.tasks:
+                    rows.append(("ThreadPoolTaskRunner", n, timed(make(ThreadPoolTaskRunner(), trivial), n, args.repeats)))
+                    rows.append(("AISchedTaskRunner", n, timed(make(aisched, trivial_ai), n, args.repeats)))
+                    if not args.skip_dask:
+                        rows.append(("prefect-dask DaskTaskRunner", n,
+                                     timed(make(DaskTaskRunner(address=address), trivial), n, 1 if n > 200 else args.repeats)))
+                transfer = {
+                    "AISchedTaskRunner": timed(one(aisched, big_ai), 0, args.repeats),
+                    "prefect-dask DaskTaskRunner": timed(one(DaskTaskRunner(address=address), big), 0, args.repeats),
+                    "ThreadPoolTaskRunner": timed(one(ThreadPoolTaskRunner(), big), 0, args.repeats),
+                }
+                records = plane.ledger().verify().records
+            finally:
+                plane.stop()
+    print(f"\ntrivial tasks per flow, one Dask cluster ({args.workers} workers x {args.gpus_per_worker}), "
+          f"{os.cpu_count()} cores, best of {args.repeats}")
+    for name, n, seconds in rows:
+        print(f"  {name:30s} {n:5d} tasks {seconds:8.2f} s  {1000 * seconds / n:7.2f} ms/task")
+    for n in args.tasks:
+        got = {name: s for name, m, s in rows if m == n}
+        ours, threads = got["AISchedTaskRunner"], got["ThreadPoolTaskRunner"]
+        line = f"  {n:5d} tasks: AISched / ThreadPool = {ours / threads:.3f} (target <= 2.0)"
+        if "prefect-dask DaskTaskRunner" in got:
+            line += f";  AISched / prefect-dask = {ours / got['prefect-dask DaskTaskRunner']:.3f} (target <= 0.20)"
+        print(line)
+    print("one 100 MB result, flow start to result:")
+    for name, seconds in transfer.items():
+        print(f"  {name:30s} {seconds:8.2f} s")
+    print(f"  AISched / prefect-dask = {transfer['AISchedTaskRunner'] / transfer['prefect-dask DaskTaskRunner']:.2f}")
+    print(f"  evidence records written: {records} (chain verified)")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
 """Does the simulator tell the truth? The same small workload, simulated and run for real, side by side.
 
-A slice of the Philly trace is scaled down to seconds (sleep tasks), run
-through AISchedTaskRunner(queue=True) on a LocalGPUCluster of declared GPUs,
-one flow run per tenant, each task submitted at its (scaled) submit time; the
-same jobs go through the simulator with the same policy and cluster shape.
+A slice of the Philly trace is scaled down to seconds (sleep tasks) and run
+for real through a control plane (`aisched serve --declared ...`, its own
+process, with a local GPU cluster of declared devices) and the cluster's one
+queue with its default policy (FinishTimeFair), one flow run per tenant, each
+task submitted at its (scaled) submit time and declaring its (scaled) run time
+as est_seconds; jobs wider than a host run as gangs across whole workers (the
+slice must hold at least one, across two workers). The same jobs go through
+the simulator (`dask_gpu.simulator`) with the same policy, estimates and
+cluster shape. Prints makespan and mean JCT of both, and real / simulated.
 
-    .venv/bin/python bench/reality_check.py --jobs 40 --scale 600
+    .venv/bin/python bench/reality_check.py --jobs 30 --scale 600
 """
 
 from __future__ import annotations
@@ -22,12 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from bench.simulate import TRACE, load  # noqa: E402
-from dask_gpu.queue_policy import FairShare, Job  # noqa: E402
-from aisched_prefect.simulator import simulate  # noqa: E402
+from bench.trace import TRACE, load  # noqa: E402
+from dask_gpu.queue_policy import FinishTimeFair, Job, is_gang  # noqa: E402
+from dask_gpu.simulator import simulate  # noqa: E402
 
-
-EST = 1.0
+MIN_SECONDS = 0.2  # the shortest sleep a job gets
 
 
 def _sleep(seconds: float) -> tuple[float, float]:
@@ -40,68 +44,96 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--start", default="2017-11-21")
     p.add_argument("--end", default="2017-11-22")
-    p.add_argument("--jobs", type=int, default=40)
+    p.add_argument("--jobs", type=int, default=30)
     p.add_argument("--scale", type=float, default=600.0, help="trace seconds per real second")
     p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--gpus", type=int, default=2, help="GPUs per host")
+    p.add_argument("--lead", type=float, default=15.0, help="seconds for every flow run to start before the first submit")
     args = p.parse_args()
 
-    trace_jobs, durations, _ = load(TRACE, args.start, args.end, args.gpus, 21600, "clip", 4)
-    picked = trace_jobs[: args.jobs]
+    trace_jobs, durations, _ = load(TRACE, args.start, args.end, args.hosts, args.gpus, 21600, "clip", 4)
+    picked = [j for j in trace_jobs if j.gpus <= 2 * args.gpus][: args.jobs]  # gangs over at most two workers
+    size = [args.gpus] * args.hosts
+    gangs = [j for j in picked if is_gang(j, size)]
+    if not gangs:
+        sys.exit(f"the first {args.jobs} jobs of the slice hold no job wider than a host: choose another --start")
     t0 = picked[0].submit
-    # The runner sees each task's declared est_seconds (1 s here); the simulated policy sees the same.
-    jobs = [Job(id=j.id, tenant=j.tenant, gpus=j.gpus, submit=(j.submit - t0) / args.scale, estimate=EST)
-            for j in picked]
-    real_durations = {j.id: max(durations[j.id] / args.scale, 0.2) for j in picked}
-    sim = simulate(jobs, real_durations, FairShare(), args.hosts, args.gpus)
+    real_durations = {j.id: max(durations[j.id] / args.scale, MIN_SECONDS) for j in picked}
+    # The queue sees each task's declared est_seconds (its scaled run time); the simulated policy sees the same.
+    jobs = [Job(id=j.id, tenant=j.tenant, gpus=j.gpus, submit=(j.submit - t0) / args.scale,
+                estimate=real_durations[j.id]) for j in picked]
+    sim = simulate(jobs, real_durations, FinishTimeFair(), args.hosts, args.gpus)
 
     from prefect import flow
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
     from aisched_prefect import AISchedTaskRunner, ai_task
+    from aisched_prefect.control.process import ControlPlaneProcess
     from blocks import AuthorityBlock, BudgetBlock, Grant
-    from dask_gpu import LocalGPUCluster
 
-    tasks = {g: ai_task(gpus=g, kind="training", est_seconds=EST, name=f"sleep-{g}gpu")(_sleep) for g in (1, 2, 4, 8)}
-
-    ledger = f"sqlite:///{tempfile.mkdtemp()}/reality.db"
-    auth = AuthorityBlock(grants=[Grant(id="all", principal="*", max_gpus=8, max_cost_per_run=1e6)])
+    tasks = {j.id: ai_task(gpus=j.gpus, kind="training", est_seconds=j.estimate, name=f"job-{j.id}")(_sleep)
+             for j in jobs}
+    by_tenant: dict[str, list[Job]] = {}
+    for j in jobs:
+        by_tenant.setdefault(j.tenant, []).append(j)
     spec = f"{args.hosts} workers x {args.gpus} GPUs, 80 GB, H100"
-    with prefect_test_harness(server_startup_timeout=60), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), \
-            LocalGPUCluster(declared=spec) as cluster:
-        origin = time.time() + 8.0  # every flow run started before the first submit
-        done: dict[int, tuple[float, float]] = {}
+    done: dict[int, tuple[float, float]] = {}
+    failed: list[str] = []
+    with prefect_test_harness(server_startup_timeout=60), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        plane = ControlPlaneProcess(Path(tempfile.mkdtemp()), declared=spec).start()
+        try:
+            plane.apply("authority", "reality", AuthorityBlock(grants=[
+                Grant(id=f"g-{t}", principal=f"{t}/jobs", max_gpus=2 * args.gpus, max_cost_per_run=1e6)
+                for t in by_tenant]))
+            plane.apply("budget", "reality", BudgetBlock(gpu_hour_prices={"*": 1.0}))
+            tokens = {t: plane.issue(f"{t}/jobs", authority="reality", budget="reality", tenant=t) for t in by_tenant}
+            origin = time.time() + args.lead
 
-        def tenant_flow(tenant: str, mine: list[Job]) -> None:
-            @flow(name=f"reality-{tenant}", task_runner=AISchedTaskRunner(
-                principal=f"{tenant}/jobs", authority=auth, budget=BudgetBlock(gpu_hour_prices={"*": 1.0}),
-                address=cluster.scheduler_address, ledger_url=ledger, queue=True, max_workers=64))
-            def run_tenant() -> None:
-                futures = []
-                for j in mine:
-                    time.sleep(max(0.0, origin + j.submit - time.time()))
-                    futures.append((j, tasks[j.gpus].submit(real_durations[j.id])))
-                for j, f in futures:
-                    done[j.id] = f.result()
-            run_tenant()
+            def tenant_flow(tenant: str, mine: list[Job]) -> None:
+                @flow(name=f"reality-{tenant}", task_runner=AISchedTaskRunner(
+                    control_plane=plane.url, credential=tokens[tenant], max_workers=64))
+                def run_tenant() -> None:
+                    futures = []
+                    for j in mine:
+                        time.sleep(max(0.0, origin + j.submit - time.time()))
+                        futures.append((j, tasks[j.id].submit(real_durations[j.id])))
+                    for j, f in futures:
+                        done[j.id] = f.result()
 
-        by_tenant: dict[str, list[Job]] = {}
-        for j in jobs:
-            by_tenant.setdefault(j.tenant, []).append(j)
-        threads = [threading.Thread(target=tenant_flow, args=(t, js)) for t, js in by_tenant.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+                try:
+                    run_tenant()
+                except Exception as exc:  # said below; the others go on
+                    failed.append(f"{tenant}: {type(exc).__name__}: {exc}")
+
+            threads = [threading.Thread(target=tenant_flow, args=(t, js)) for t, js in by_tenant.items()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            placed = {r.payload["task"]: r.payload.get("placement") or {} for r in plane.ledger().records()
+                      if r.kind == "settlement" and r.payload.get("outcome") == "completed"}
+        finally:
+            plane.stop()
+    if failed or len(done) != len(jobs):
+        sys.exit(f"{len(jobs) - len(done)} jobs did not complete: {failed}")
     ends = {i: e - origin for i, (_, e) in done.items()}
+    starts = {i: s - origin for i, (s, _) in done.items()}
     real_makespan = max(ends.values())
     real_jct = sum(ends[j.id] - j.submit for j in jobs) / len(jobs)
-    print(f"{len(jobs)} jobs, {len(by_tenant)} tenants, {args.hosts} hosts x {args.gpus} GPUs, 1 s = {args.scale:g} trace s")
+    print(f"{len(jobs)} jobs ({len(gangs)} gangs over two workers), {len(by_tenant)} tenants, {args.hosts} hosts x "
+          f"{args.gpus} GPUs, slice from {args.start}, 1 s = {args.scale:g} trace s, policy {sim.policy} "
+          f"(FinishTimeFair) live and simulated")
     print(f"{'':12} {'makespan':>10} {'mean JCT':>10}")
     print(f"{'simulated':12} {sim.makespan:>9.2f}s {sim.mean_jct:>9.2f}s")
     print(f"{'real':12} {real_makespan:>9.2f}s {real_jct:>9.2f}s")
     print(f"{'real / sim':12} {real_makespan / sim.makespan:>10.3f} {real_jct / sim.mean_jct:>10.3f}")
+    lag = sorted(starts[j.id] - sim.started[j.id] for j in jobs)
+    print(f"start real - simulated per job: median {lag[len(lag) // 2]:.2f}s, min {lag[0]:.2f}s, max {lag[-1]:.2f}s")
+    for g in (j for j in jobs if is_gang(j, size)):
+        workers = placed.get(f"job-{g.id}", {}).get("workers") or []
+        print(f"gang job {g.id} ({g.gpus} GPUs, {g.estimate:.1f}s) on {len(workers)} workers ({', '.join(workers)}): "
+              f"started at {starts[g.id]:.2f}s real, {sim.started[g.id]:.2f}s simulated")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from blocks.approval import ApprovalOutcome, ApprovalPolicyBlock, ApprovalRule, evaluate
 from blocks.authority import AuthorityBlock, AuthorityDecision, Grant, authorize, utc
 from blocks.budget import (
+    MAX_AMOUNT,
     BudgetBlock,
     BudgetLimit,
     BudgetLine,
@@ -16,6 +17,7 @@ from blocks.delegation import ChainBroken, DelegationRefused, delegate, resolve_
 from blocks.facts import RunFacts
 
 __all__ = [
+    "MAX_AMOUNT",
     "ApprovalOutcome",
     "ApprovalPolicyBlock",
     "ApprovalRule",

@@ -93,7 +93,7 @@ class ApprovalPolicyBlock(Block):
     _block_type_slug: ClassVar[str] = "aisched-approval-policy"
     _logo_url = None
     _description: ClassVar[str] = "Rules deciding which AI task runs need a person's approval, evaluated by aisched-prefect at admission."
-    _documentation_url = "https://github.com/aisched/aisched-prefect#approvals"
+    _documentation_url = "https://github.com/aisched/aisched-prefect/blob/main/docs/how-to/approvals.md"
     _code_example: ClassVar[str] = '''
 ```python
 from blocks import ApprovalPolicyBlock, ApprovalRule

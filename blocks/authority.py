@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from datetime import datetime, timezone
 from typing import ClassVar
 
@@ -12,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from blocks.facts import RunFacts
 
 ANY = "*"
+GROUP = "group:"
 
 
 class Grant(BaseModel):
@@ -20,7 +20,8 @@ class Grant(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     id: str = Field(description="A stable name for this grant, recorded in the evidence of every run it authorizes.")
-    principal: str = Field(description="Principal this grant is for; a glob such as 'team-a/*' covers several.")
+    principal: str = Field(description="Who holds this grant: one principal ('team-a/nightly'), or 'group:NAME' for "
+                           "every member of a group declared in the block's groups.")
     kinds: list[str] = Field(default_factory=lambda: [ANY], description="Task kinds allowed ('training', 'inference', 'model-call', ...); '*' allows any.")
     models: list[str] = Field(default_factory=lambda: [ANY], description="Models allowed; '*' allows any.")
     gpu_types: list[str] = Field(default_factory=lambda: [ANY], description="GPU types allowed; '*' allows any.")
@@ -34,8 +35,16 @@ class Grant(BaseModel):
     can_approve: bool = Field(default=False, description="Whether the holder may approve runs within this grant's scope.")
     parent: str | None = Field(default=None, description="Id of the grant this one was delegated from; empty for a root grant.")
 
-    def covers_principal(self, principal: str) -> bool:
-        return fnmatch.fnmatchcase(principal, self.principal)
+    def held_by(self, principal: str, groups: dict[str, list[str]]) -> bool:
+        """Whether `principal` holds this grant: named exactly, or a member of the group it names.
+
+        >>> g = Grant(id="r", principal="group:team-a")
+        >>> g.held_by("team-a/nightly", {"team-a": ["team-a/nightly"]}), g.held_by("team-a/other", {"team-a": []})
+        (True, False)
+        """
+        if self.principal.startswith(GROUP):
+            return principal in groups.get(self.principal[len(GROUP):], [])
+        return principal == self.principal
 
     def refusal(self, facts: RunFacts, now: datetime | None = None) -> str | None:
         """Why this grant does not cover `facts`, or None when it does."""
@@ -46,6 +55,8 @@ class Grant(BaseModel):
             return f"grant {self.id!r} expired at {utc(self.expires_at).isoformat()}"
         if not _allowed(facts.kind, self.kinds):
             return f"grant {self.id!r} allows kinds {self.kinds}, not kind={facts.kind!r}"
+        if facts.model is None and ANY not in self.models:
+            return f"grant {self.id!r} allows only models {self.models}, and the task declares none: set model="
         if facts.model is not None and not _allowed(facts.model, self.models):
             return f"grant {self.id!r} allows models {self.models}, not model={facts.model!r}"
         outside = [t for t in facts.gpu_types if not _allowed(t, self.gpu_types)] if facts.gpus else []
@@ -84,9 +95,10 @@ class AuthorityDecision(BaseModel):
         return self.grant is not None
 
 
-def authorize(grants: list[Grant], facts: RunFacts, now: datetime | None = None) -> AuthorityDecision:
-    """The first grant for this principal that covers the run; otherwise every refusal."""
-    mine = [g for g in grants if g.covers_principal(facts.principal)]
+def authorize(grants: list[Grant], facts: RunFacts, now: datetime | None = None,
+              groups: dict[str, list[str]] | None = None) -> AuthorityDecision:
+    """The first grant this principal holds (by name, or through a group) that covers the run; otherwise every refusal."""
+    mine = [g for g in grants if g.held_by(facts.principal, groups or {})]
     if not mine:
         return AuthorityDecision(grant=None, reasons=[f"principal {facts.principal!r} holds no grant"])
     reasons = []
@@ -105,22 +117,66 @@ class AuthorityBlock(Block):
     _block_type_slug: ClassVar[str] = "aisched-authority"
     _logo_url = None
     _description: ClassVar[str] = "Root grants that authorize AI task runs scheduled by aisched-prefect."
-    _documentation_url = "https://github.com/aisched/aisched-prefect#authority"
+    _documentation_url = "https://github.com/aisched/aisched-prefect/blob/main/docs/how-to/authority.md"
     _code_example: ClassVar[str] = '''
 ```python
 from blocks import AuthorityBlock, Grant
 
-authority = AuthorityBlock(grants=[Grant(id="team-a-root", principal="team-a/*", max_gpus=4, max_cost_per_run=50)])
+authority = AuthorityBlock(grants=[Grant(id="team-a-root", principal="group:team-a", max_gpus=4, max_cost_per_run=50)],
+                           groups={"team-a": ["team-a/nightly", "team-a/etl"]})
 authority.save("team-a", overwrite=True)
 authority = AuthorityBlock.load("BLOCK_NAME")
 ```
 '''
 
     grants: list[Grant] = Field(default_factory=list, description="Root grants; a run is authorized by the first grant for its principal that covers it.")
+    groups: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Named groups of principals (name -> exact principals); a grant to 'group:NAME' is held by each member.")
     approver_keys: dict[str, str] = Field(
         default_factory=dict,
         description="Public Ed25519 keys of approvers (name -> hex, from `aisched approvals keygen`): "
                     "an approval signed with the matching private key proves who decided.")
 
     def authorize(self, facts: RunFacts, now: datetime | None = None) -> AuthorityDecision:
-        return authorize(self.grants, facts, now)
+        return authorize(self.grants, facts, now, self.groups)
+
+    def problems(self) -> list[str]:
+        """What a control plane refuses to apply: grants to patterns, unknown groups, duplicate ids."""
+        return authority_problems(self.grants, self.groups)
+
+
+_PATTERN = set("*?[")
+
+
+def authority_problems(grants: list[Grant], groups: dict[str, list[str]]) -> list[str]:
+    """Every reason these root grants cannot be applied; empty when they can.
+
+    A grant names exactly who holds it: one principal, or a group whose members an
+    operator listed. A pattern such as 'team-a/*' would hand authority to principals
+    nobody named, so it is refused.
+
+    >>> authority_problems([Grant(id="r", principal="team-a/*")], {})[0][:40]
+    "grants['r'].principal='team-a/*' is a pa"
+    """
+    out: list[str] = []
+    seen: set[str] = set()
+    for g in grants:
+        if g.id in seen:
+            out.append(f"grants: two grants have id {g.id!r}; give each a unique id")
+        seen.add(g.id)
+        if g.parent is not None:
+            out.append(f"grants[{g.id!r}].parent={g.parent!r}: root grants have no parent (delegate with `aisched grants delegate`)")
+        if g.principal.startswith(GROUP):
+            name = g.principal[len(GROUP):]
+            if name not in groups:
+                out.append(f"grants[{g.id!r}].principal={g.principal!r}: no group {name!r} in groups "
+                           f"(known: {sorted(groups)}); declare its members")
+        elif _PATTERN & set(g.principal):
+            out.append(f"grants[{g.id!r}].principal={g.principal!r} is a pattern: name one principal, or declare a "
+                       f"group (groups={{'team-a': ['team-a/nightly', ...]}}) and name 'group:team-a'")
+    for name, members in groups.items():
+        for m in members:
+            if not m or m != m.strip() or _PATTERN & set(m) or m.startswith(GROUP):
+                out.append(f"groups[{name!r}]: member {m!r} must be one exact principal")
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from datetime import datetime, timezone
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,6 +27,12 @@ Window = Literal["calendar", "rolling"]
 ROLLING_SECONDS: dict[str, float] = {"daily": 86_400.0, "weekly": 7 * 86_400.0, "monthly": 30 * 86_400.0}
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
+MAX_AMOUNT = 1e12
+"""The largest limit, amount or price the books hold, in any unit: its micro-units fit a signed 64-bit integer."""
+
+Amount = Annotated[float, Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)]
+"""A limit, an amount or a price: finite, 0 or more, at most MAX_AMOUNT (NaN, inf and negatives are refused)."""
+
 
 class UnpriceableRequest(ValueError):
     """The budget has no price for something the run would use."""
@@ -37,7 +43,7 @@ class CostEstimate(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    amount: float = Field(ge=0)
+    amount: float = Field(ge=0, allow_inf_nan=False)
     gpu_type_priced: str | None = None
     gpu_hour_price: float = 0.0
     token_price_per_1k: float = 0.0
@@ -48,9 +54,9 @@ class Usage(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    money: float = Field(default=0.0, ge=0)
-    gpu_hours: float = Field(default=0.0, ge=0)
-    tokens: float = Field(default=0.0, ge=0)
+    money: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    gpu_hours: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    tokens: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
     def of(self, unit: Unit) -> float:
         return {"money": self.money, "gpu-hours": self.gpu_hours, "tokens": self.tokens}[unit]
@@ -61,13 +67,18 @@ class BudgetLine(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    budget: str
-    period: str
-    limit: float = Field(ge=0)
-    amount: float = Field(default=0.0, ge=0)
+    budget: str = Field(min_length=1, max_length=200)
+    period: str = Field(min_length=1, max_length=32)
+    limit: Amount
+    amount: Amount = 0.0
     unit: Unit = "money"
-    rolling_seconds: float | None = None
+    rolling_seconds: float | None = Field(default=None, gt=0, le=366 * 86_400.0, allow_inf_nan=False)
     """Rolling window: what was charged in the last this-many seconds counts, not a calendar period."""
+    config_version: int | None = Field(default=None, ge=0, lt=2**63)
+    """Version of the applied budget configuration this limit comes from (the control plane numbers
+    them): the ledger keeps the newest version's limit, so a line from an older one never overwrites
+    it. None: a line from no versioned configuration (the embedded runner's), which never overwrites
+    a versioned limit."""
 
 
 def period_key(period: Period, now: datetime | None = None, window: Window = "calendar") -> str:
@@ -96,7 +107,7 @@ class BudgetLimit(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(description="Short unique name, e.g. 'nightly-flow' (lowercase, digits, '.', '_', '-').")
-    amount: float = Field(ge=0, description="Most that may be posted plus held in one window, in `unit`.")
+    amount: Amount = Field(description="Most that may be posted plus held in one window, in `unit`.")
     unit: Unit = Field(default="money", description="money (the block's currency), gpu-hours or tokens.")
     period: Period = Field(default="monthly", description="daily, weekly, monthly or total.")
     window: Window = Field(default="calendar", description="calendar (UTC periods) or rolling (the last 1, 7 or 30 days).")
@@ -138,7 +149,7 @@ class BudgetBlock(Block):
     _description: ClassVar[str] = (
         "Limits in money, GPU-hours or tokens per tenant, principal, flow, model or GPU type, and the prices "
         "of GPU-hours and tokens, enforced by aisched-prefect's ledger.")
-    _documentation_url = "https://github.com/aisched/aisched-prefect#budgets"
+    _documentation_url = "https://github.com/aisched/aisched-prefect/blob/main/docs/how-to/budgets.md"
     _code_example: ClassVar[str] = '''
 ```python
 from blocks import BudgetBlock, BudgetLimit
@@ -153,12 +164,12 @@ budget = BudgetBlock.load("BLOCK_NAME")
 ```
 '''
 
-    limit: float | None = Field(default=None, ge=0, description="Most money everyone under this block may post plus hold per period; empty for none.")
+    limit: Amount | None = Field(default=None, description="Most money everyone under this block may post plus hold per period; empty for none.")
     currency: str = Field(default="USD", description="Currency of money limits and of every price.")
     period: Period = Field(default="monthly", description="Calendar window (UTC) of `limit`: daily, weekly, monthly or total.")
     limits: list[BudgetLimit] = Field(default_factory=list, description="Further limits: per tenant, principal, flow, model or GPU type, nested by `parent`.")
-    gpu_hour_prices: dict[str, float] = Field(default_factory=dict, description="Price of one GPU-hour by GPU type; the key '*' prices any other type.")
-    token_prices_per_1k: dict[str, float] = Field(default_factory=dict, description="Price of 1,000 tokens by model; the key '*' prices any other model.")
+    gpu_hour_prices: dict[str, Amount] = Field(default_factory=dict, description="Price of one GPU-hour by GPU type; the key '*' prices any other type.")
+    token_prices_per_1k: dict[str, Amount] = Field(default_factory=dict, description="Price of 1,000 tokens by model; the key '*' prices any other model.")
 
     @model_validator(mode="after")
     def _limits_form_a_tree(self) -> BudgetBlock:
@@ -212,6 +223,15 @@ budget = BudgetBlock.load("BLOCK_NAME")
         model: str | None = None,
     ) -> CostEstimate:
         """Price a run; with several candidate GPU types, the dearest (settled later at the real one)."""
+        amount, priced, hour_price, tok_price = self._price(gpus, seconds, gpu_types, tokens, model)
+        if not amount <= MAX_AMOUNT:  # also NaN: a run the books cannot hold is refused, not overflowed
+            raise UnpriceableRequest(
+                f"this run would cost {amount:g} (gpus={gpus:g}, {seconds:g} s, {tokens:g} tokens), more than a "
+                f"budget can hold ({MAX_AMOUNT:g}): lower gpus, est_seconds or est_tokens, or check the prices")
+        return CostEstimate(amount=amount, gpu_type_priced=priced, gpu_hour_price=hour_price, token_price_per_1k=tok_price)
+
+    def _price(self, gpus: float, seconds: float, gpu_types: list[str], tokens: float,
+               model: str | None) -> tuple[float, str | None, float, float]:
         amount, priced, hour_price, tok_price = 0.0, None, 0.0, 0.0
         if gpus:
             if not gpu_types:
@@ -221,22 +241,26 @@ budget = BudgetBlock.load("BLOCK_NAME")
         if tokens:
             tok_price = self.token_price(model)
             amount += tokens / 1000.0 * tok_price
-        return CostEstimate(amount=amount, gpu_type_priced=priced, gpu_hour_price=hour_price, token_price_per_1k=tok_price)
+        return amount, priced, hour_price, tok_price
 
     def actual_cost(self, gpus: float, seconds: float, gpu_type: str | None, tokens: float = 0, model: str | None = None) -> float:
-        """Cost of what a run really used."""
-        return self.estimate(gpus, seconds, [gpu_type] if gpu_type else [], tokens, model).amount
+        """Cost of what a run really used (however much: a charge above the holds posts only what budgets have left)."""
+        return self._price(gpus, seconds, [gpu_type] if gpu_type else [], tokens, model)[0]
 
     def account(self, name: str, limit: BudgetLimit | None = None) -> str:
         """The ledger account of the block's own limit (its name), or of one of its limits."""
         return name if limit is None else f"{name}/{limit.name}"
 
-    def lines(self, name: str, facts: RunFacts, usage: Usage, now: datetime | None = None) -> list[BudgetLine]:
-        """Every account a run must fit, with what it would take from each: covering limits and their parents."""
+    def lines(self, name: str, facts: RunFacts, usage: Usage, now: datetime | None = None,
+              config_version: int | None = None) -> list[BudgetLine]:
+        """Every account a run must fit, with what it would take from each: covering limits and their parents.
+
+        `config_version`: the version of this block as the control plane applied it, stamped on each line.
+        """
         out: list[BudgetLine] = []
         if self.limit is not None:
             out.append(BudgetLine(budget=name, period=period_key(self.period, now), limit=self.limit,
-                                  amount=usage.money, unit="money"))
+                                  amount=usage.money, unit="money", config_version=config_version))
         by_name = {lim.name: lim for lim in self.limits}
         chosen: dict[str, BudgetLimit] = {}
         for lim in self.limits:
@@ -247,8 +271,16 @@ budget = BudgetBlock.load("BLOCK_NAME")
                     node = by_name.get(node.parent) if node.parent else None
         for lim in self.limits:  # block order: what `budget show` lists
             if lim.name in chosen:
-                out.append(BudgetLine(
-                    budget=self.account(name, lim), period=period_key(lim.period, now, lim.window), limit=lim.amount,
-                    amount=usage.of(lim.unit), unit=lim.unit,
-                    rolling_seconds=ROLLING_SECONDS[lim.period] if lim.window == "rolling" else None))
+                out.append(self._line(name, lim, usage.of(lim.unit), now, config_version))
         return out
+
+    def limit_lines(self, name: str, now: datetime | None = None, config_version: int | None = None) -> list[BudgetLine]:
+        """Every account of the block with its limit and nothing taken: what `Ledger.apply_limits` applies."""
+        out = [] if self.limit is None else [BudgetLine(budget=name, period=period_key(self.period, now), limit=self.limit,
+                                                        unit="money", config_version=config_version)]
+        return out + [self._line(name, lim, 0.0, now, config_version) for lim in self.limits]
+
+    def _line(self, name: str, lim: BudgetLimit, amount: float, now: datetime | None, version: int | None) -> BudgetLine:
+        return BudgetLine(budget=self.account(name, lim), period=period_key(lim.period, now, lim.window), limit=lim.amount,
+                          amount=amount, unit=lim.unit, config_version=version,
+                          rolling_seconds=ROLLING_SECONDS[lim.period] if lim.window == "rolling" else None)

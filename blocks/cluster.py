@@ -43,7 +43,7 @@ class ClusterBlock(Block):
     _block_type_slug: ClassVar[str] = "aisched-cluster"
     _logo_url = None
     _description: ClassVar[str] = "Limits on model calls shared by every flow run on a cluster, enforced by aisched-prefect."
-    _documentation_url = "https://github.com/aisched/aisched-prefect#model-call-limits"
+    _documentation_url = "https://github.com/aisched/aisched-prefect/blob/main/docs/how-to/ai-tasks.md"
     _code_example: ClassVar[str] = '''
 ```python
 from blocks import ClusterBlock, ModelLimit

@@ -1,7 +1,17 @@
 """GPU-aware Dask: inventories, GPU workers, device assignment. No Prefect needed."""
 
 from dask_gpu.queue_plugin import GPUQueuePlugin, install_queue
-from dask_gpu.cluster import LocalGPUCluster, cluster_inventories, cluster_states, request_stop, running_for
+from dask_gpu.cluster import (
+    LocalGPUCluster,
+    WorkerView,
+    cluster_inventories,
+    cluster_view,
+    cluster_states,
+    renew_leases,
+    request_stop,
+    running_for,
+    worker_addresses,
+)
 from dask_gpu.errors import (
     DaskGPUError,
     DeviceUnavailable,
@@ -9,11 +19,13 @@ from dask_gpu.errors import (
     InventorySpecError,
     NotOnGPUWorker,
     StopRequested,
+    WorkerDied,
 )
 from dask_gpu.execute import (
     DeviceRun,
     checkpoint,
     current_devices,
+    current_worker,
     gpu_env,
     hold_devices,
     run_subprocess,
@@ -30,6 +42,7 @@ from dask_gpu.inventory import (
     nvml_inventory,
     parse_declared,
 )
+from dask_gpu.gang import Rendezvous, rendezvous, torchrun_args
 from dask_gpu.live import DeviceState
 from dask_gpu.request import GPURequest, eligible_workers, worker_restriction
 
@@ -40,6 +53,7 @@ __all__ = [
     "DeviceRun",
     "DeviceState",
     "DeviceUnavailable",
+    "Rendezvous",
     "GPUDevice",
     "GPURequest",
     "InfeasibleRequest",
@@ -49,9 +63,12 @@ __all__ = [
     "StopRequested",
     "WorkerInventory",
     "checkpoint",
+    "WorkerView",
     "cluster_inventories",
+    "cluster_view",
     "cluster_states",
     "current_devices",
+    "current_worker",
     "declared_worker_inventories",
     "discover",
     "eligible_workers",
@@ -61,10 +78,15 @@ __all__ = [
     "parse_declared",
     "run_subprocess",
     "install_queue",
+    "renew_leases",
+    "rendezvous",
     "request_stop",
     "running_for",
     "run_with_devices",
     "stop_requested",
     "submit",
+    "torchrun_args",
+    "worker_addresses",
     "worker_restriction",
+    "WorkerDied",
 ]

@@ -47,8 +47,29 @@ class DeviceAllocator:
         need = request.gpu_memory_gb or 0.0
         return lambda d: d.key not in live or live[d.key].memory_free_gb >= need
 
-    def _pick(self, request: GPURequest) -> list[tuple[GPUDevice, int, int]] | None:
+    def _named(self, request: GPURequest, keys: list[str] | None) -> list[GPUDevice] | None:
+        """The devices `keys` names, if they are this worker's and could hold the request; else None (ignored)."""
+        if not keys:
+            return None
+        by_key = {d.key: d for d in self._devices}
+        named = [by_key[k] for k in keys if k in by_key]
+        if len(named) != len(keys) or len(named) != request.devices_needed:
+            return None
+        fits = request.type_fits if request.fractional else request.device_fits
+        return named if all(fits(d) for d in named) else None
+
+    def _pick(self, request: GPURequest, named: list[GPUDevice] | None = None) -> list[tuple[GPUDevice, int, int]] | None:
         really_free = self._really_free(request)
+        if named is not None:  # the queue chose these devices: exactly them, once they are free
+            if not request.fractional:
+                ok = all(self._fraction[d.key] == 0 and really_free(d) for d in named)
+                return [(d, _UNITS, self._mb(d.memory_gb)) for d in named] if ok else None
+            d, share = named[0], int(round(request.gpus * _UNITS))
+            memory = self._mb(request.memory_on(d))
+            if (self._fraction[d.key] + share <= _UNITS and self._memory[d.key] + memory <= self._mb(d.memory_gb)
+                    and really_free(d)):
+                return [(d, share, memory)]
+            return None
         if not request.fractional:
             free = [d for d in self._devices
                     if request.device_fits(d) and self._fraction[d.key] == 0 and really_free(d)]
@@ -69,18 +90,24 @@ class DeviceAllocator:
         # Best fit: the fullest device that still fits, so whole devices stay free for whole requests.
         return [max(fits, key=lambda f: (self._fraction[f[0].key], self._memory[f[0].key], -f[0].index))]
 
-    def acquire(self, key: str, request: GPURequest, timeout: float = 30.0) -> tuple[GPUDevice, ...]:
-        """Give `key` its devices, all or none; wait up to `timeout` seconds for them."""
+    def acquire(self, key: str, request: GPURequest, timeout: float = 30.0,
+                devices: list[str] | None = None) -> tuple[GPUDevice, ...]:
+        """Give `key` its devices, all or none; wait up to `timeout` seconds for them.
+
+        `devices` (device keys the cluster's queue chose, which knows what every run holds) are taken exactly,
+        once free, when they could hold the request; otherwise the allocator chooses.
+        """
         if request.gpus and not any(request.device_fits(d) for d in self._devices):
             raise DeviceUnavailable(f"task {key!r}: no device of this worker can ever hold {request.describe()}")
         with self._cond:
             if key in self._held:
                 raise DeviceUnavailable(f"task {key!r} already holds devices {self.holders()[key]}")
             picked: list[tuple[GPUDevice, int, int]] | None = None
+            named = self._named(request, devices)
 
             def ready() -> bool:
                 nonlocal picked
-                picked = self._pick(request)
+                picked = self._pick(request, named)
                 return picked is not None
 
             if not self._cond.wait_for(ready, timeout=timeout):

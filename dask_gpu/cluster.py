@@ -7,12 +7,16 @@ import os
 from typing import Any
 
 from distributed import Client, Nanny, Scheduler, SpecCluster
+from pydantic import BaseModel
 
 from dask_gpu.inventory import DECLARED_ENV, WorkerInventory, parse_declared
 from dask_gpu.live import DeviceState
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
+from dask_gpu.security import ClusterTLS
+from dask_gpu.tickets import TRUSTED_KEYS_ENV
 
 PRELOAD = "dask_gpu.preload"
+SCHEDULER_PRELOAD = "dask_gpu.scheduler_preload"
 
 
 class LocalGPUCluster(SpecCluster):
@@ -24,6 +28,9 @@ class LocalGPUCluster(SpecCluster):
     worker runs `dask_gpu.preload`, exactly as a remote `dask worker` would.
     `allowed_failures=0` (Dask's default is 3) makes a task whose worker dies
     fail with KilledWorker, so its retry goes through the caller's policy.
+    With `tls` (a `ClusterTLS`), scheduler and workers speak only mutual TLS:
+    a client without the CA's client certificate cannot connect. Each worker
+    trusts the `trusted_keys` for tickets (fixed here, at start).
     """
 
     def __init__(
@@ -33,27 +40,37 @@ class LocalGPUCluster(SpecCluster):
         host: str = "127.0.0.1",
         silence_logs: int | bool = logging.WARNING,
         allowed_failures: int = 0,
+        trusted_keys: list[str] | None = None,
+        tls: ClusterTLS | None = None,
         **kwargs: Any,
     ) -> None:
+        security = tls.security("cluster") if tls is not None else None
+        protocol = {"protocol": "tls", "security": security} if security is not None else {}
         spec = declared if declared is not None else os.environ.get(DECLARED_ENV)
         # Per worker: (DASK_GPU_DECLARED for that process or None for NVML, device count).
         plan: list[tuple[str | None, int]] = (
-            [(g.spec(), g.gpus) for g in parse_declared(spec) for _ in range(g.workers)]
+            [(g.spec(), g.gpus) for g in parse_declared(spec, "LocalGPUCluster(declared=...)" if declared is not None
+                                                        else DECLARED_ENV) for _ in range(g.workers)]
             if spec
             else [(None, 0)]
         )
         workers: dict[str, dict[str, Any]] = {}
         for i, (worker_spec, gpus) in enumerate(plan):
             env = {DECLARED_ENV: worker_spec} if worker_spec else {}
+            if trusted_keys:
+                env[TRUSTED_KEYS_ENV] = ",".join(trusted_keys)
             workers[f"gpu-worker-{i}"] = {
                 "cls": Nanny,
                 "options": {
-                    "nthreads": threads_per_worker or max(2, gpus + 1),
+                    # Bodies run in processes of their own and leave the thread pool once admitted, so threads
+                    # never bound what shares a device; a few serve the rest of a worker's tasks.
+                    "nthreads": threads_per_worker or max(4, 4 * gpus + 2),
                     "host": host,
                     "preload": [PRELOAD],
                     "env": env,
                     "silence_logs": silence_logs,
                     "dashboard": False,
+                    **protocol,
                 },
             }
         scheduler = {
@@ -61,15 +78,26 @@ class LocalGPUCluster(SpecCluster):
             # A task whose worker dies fails at once (KilledWorker) instead of being re-run
             # silently: the caller's retry policy decides, and each attempt is accounted.
             "options": {"host": host, "dashboard": False, "dashboard_address": ":0",
-                        "allowed_failures": allowed_failures},
+                        "allowed_failures": allowed_failures, "preload": [SCHEDULER_PRELOAD],
+                        **({"protocol": "tls", "security": tls.security("scheduler")} if tls is not None else {})},
         }
+        if tls is not None:  # this object talks to its scheduler as the one client (the control plane that made it)
+            kwargs["security"] = tls.security("client")
         super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs, **kwargs)
 
 
-def _worker_inventory(dask_worker: Any) -> tuple[str, dict[str, Any]]:
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    inv = plugin.inventory if isinstance(plugin, GPUWorkerPlugin) else WorkerInventory(source="none")
-    return str(dask_worker.name), inv.model_dump(mode="json")
+def broadcast(client: Client, op: str, **msg: Any) -> dict[str, Any]:
+    """Ask every worker's GPU plugin (`op`: gpu_stop, gpu_renew, gpu_running_for, gpu_inventory), one round trip.
+
+    Goes through the scheduler's broadcast to handlers the preload installed:
+    no code is shipped and workers log nothing per call. Workers without the
+    plugin are skipped.
+    """
+    return client.sync(client.scheduler.broadcast, msg={"op": op, **msg}, on_error="ignore")
+
+
+def _answers(found: dict[str, Any]) -> list[Any]:
+    return [v for v in found.values() if v is not None and not isinstance(v, Exception)]
 
 
 def cluster_inventories(client: Client) -> dict[str, WorkerInventory]:
@@ -78,8 +106,40 @@ def cluster_inventories(client: Client) -> dict[str, WorkerInventory]:
     Keyed by name, not address: a worker that dies and is restarted by its
     nanny keeps its name, so a placement restricted to it stays valid.
     """
-    raw = client.run(_worker_inventory)
-    return {name: WorkerInventory.model_validate(inv) for name, inv in raw.values()}
+    out: dict[str, WorkerInventory] = {}
+    for address, answer in client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"}, on_error="ignore").items():
+        if isinstance(answer, dict) and "inventory" in answer:
+            out[answer["name"] or address] = WorkerInventory.model_validate(answer["inventory"])
+    return out
+
+
+class WorkerView(BaseModel):
+    """One worker as an operator reads it: its devices, what each holds now, and for which task."""
+
+    name: str
+    address: str
+    inventory: WorkerInventory
+    held: dict[str, list[str]]  # Dask key of a running task -> keys of the devices it holds
+    usage: dict[str, tuple[float, float]]  # device key -> (share in use, GB reserved)
+
+    def free(self) -> dict[str, float]:
+        """Device key -> share of it still free."""
+        return {k: round(1.0 - used, 6) for k, (used, _) in self.usage.items()}
+
+
+def cluster_view(client: Client) -> list[WorkerView]:
+    """Every GPU worker with its devices and their holders, one round trip."""
+    out = []
+    for address, answer in client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"}, on_error="ignore").items():
+        if isinstance(answer, dict) and "inventory" in answer:
+            out.append(WorkerView(name=answer["name"] or address, address=address, inventory=answer["inventory"],
+                                  held=answer["held"], usage=answer["usage"]))
+    return sorted(out, key=lambda w: w.name)
+
+
+def worker_addresses(client: Client) -> dict[str, str]:
+    """Worker name -> address, for placing by name."""
+    return {str(w["name"]): addr for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
 def _worker_states(dask_worker: Any) -> tuple[str, dict[str, Any] | None]:
@@ -95,18 +155,6 @@ def cluster_states(client: Client) -> dict[str, dict[str, DeviceState] | None]:
             for name, states in raw.values()}
 
 
-def _stop_keys(keys: list[str], dask_worker: Any) -> None:
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    if isinstance(plugin, GPUWorkerPlugin):
-        for key in keys:
-            plugin.request_stop(key)
-
-
-def _running_for(keys: list[str], dask_worker: Any) -> dict[str, float]:
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    return plugin.running_for(keys) if isinstance(plugin, GPUWorkerPlugin) else {}
-
-
 def running_for(client: Client, keys: list[str]) -> dict[str, float]:
     """Seconds each task of `keys` has run since its worker gave it devices; absent: not started.
 
@@ -115,16 +163,23 @@ def running_for(client: Client, keys: list[str]) -> dict[str, float]:
     tasks cost the scheduler no messages of their own.
     """
     out: dict[str, float] = {}
-    for found in client.run(_running_for, list(keys)).values():
+    for found in _answers(broadcast(client, "gpu_running_for", keys=list(keys))):
         out.update(found)
     return out
 
 
 def request_stop(client: Client, keys: list[str]) -> None:
-    """Ask the tasks `keys` to stop, wherever they run or will run (one round trip to every worker).
+    """Stop the tasks `keys` wherever they run or will run (one round trip to every worker).
 
-    A subprocess started with `run_subprocess` is killed within a fraction of a
-    second; Python code stops at its next `checkpoint()`; a task not started yet
-    stops before it starts.
+    An admitted body runs in its own process, which is killed with everything it
+    started; a task not started yet stops before it starts.
     """
-    client.run(_stop_keys, list(keys))
+    broadcast(client, "gpu_stop", keys=list(keys))
+
+
+def renew_leases(client: Client, keys: list[str], seconds: float) -> set[str]:
+    """Extend the lease of running bodies by `seconds`; returns the keys some worker runs now."""
+    out: set[str] = set()
+    for found in _answers(broadcast(client, "gpu_renew", keys=list(keys), seconds=seconds)):
+        out.update(found)
+    return out

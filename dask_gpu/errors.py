@@ -25,3 +25,7 @@ class NotOnGPUWorker(DaskGPUError):
 
 class StopRequested(DaskGPUError):
     """The task was asked to stop (its authority was revoked, or it was preempted)."""
+
+
+class WorkerDied(DaskGPUError):
+    """The worker running a task died under it (the message names the worker and the devices lost)."""

@@ -15,7 +15,7 @@ from distributed import get_worker
 from distributed.worker import thread_state
 from pydantic import BaseModel, ConfigDict
 
-from dask_gpu.errors import NotOnGPUWorker, StopRequested
+from dask_gpu.errors import InfeasibleRequest, NotOnGPUWorker, StopRequested
 from dask_gpu.cluster import cluster_inventories
 from dask_gpu.inventory import GPUDevice, WorkerInventory
 from dask_gpu.live import DeviceState
@@ -40,6 +40,7 @@ class DeviceRun(BaseModel):
     worker: str
     host: str
     devices: tuple[GPUDevice, ...] = ()
+    name: str = ""  # the worker's name: kept when its nanny restarts it at a new address
     started_at: float
     seconds: float
     source: str = "none"
@@ -64,6 +65,17 @@ def current_devices() -> tuple[GPUDevice, ...]:
             "submitted through dask_gpu.submit or an @ai_task"
         )
     return devices
+
+
+def current_worker() -> str:
+    """The address of the Dask worker the running body was placed on (its body runs in a process of its own)."""
+    address = os.environ.get("DASK_GPU_WORKER")
+    if address:
+        return address
+    try:
+        return get_worker().address
+    except ValueError:
+        raise NotOnGPUWorker("current_worker() was called outside a task running on a worker") from None
 
 
 def gpu_env(devices: Sequence[GPUDevice] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -146,6 +158,7 @@ class DeviceLease:
         seconds = self.seconds if self.seconds is not None else time.perf_counter() - self._t0
         return DeviceRun(
             worker=self.address,
+            name=self.plugin.worker_name if self.plugin else "",
             host=self.plugin.inventory.host if self.plugin else "",
             devices=self.devices,
             started_at=self.started_at,
@@ -156,8 +169,11 @@ class DeviceLease:
 
 
 @contextmanager
-def hold_devices(request: GPURequest) -> Iterator[DeviceLease]:
-    """Hold the devices `request` needs on this worker for the block; release them however it ends."""
+def hold_devices(request: GPURequest, devices: list[str] | None = None) -> Iterator[DeviceLease]:
+    """Hold the devices `request` needs on this worker for the block; release them however it ends.
+
+    `devices`: the device keys the cluster's queue chose (taken exactly, when they can hold the request).
+    """
     address, plugin = _plugin()
     if request.gpus and plugin is None:
         raise NotOnGPUWorker(
@@ -169,25 +185,26 @@ def hold_devices(request: GPURequest) -> Iterator[DeviceLease]:
         if plugin is not None:
             plugin.forget(key)
         raise StopRequested(f"task {key!r} was asked to stop before it started")
-    devices: tuple[GPUDevice, ...] = ()
     if request.gpus and plugin is not None:
-        devices = plugin.allocator.acquire(key, request, timeout=DEVICE_WAIT_SECONDS)
-    lease = DeviceLease(address, plugin, devices)
+        held = plugin.allocator.acquire(key, request, timeout=DEVICE_WAIT_SECONDS, devices=devices)
+    else:
+        held = ()
+    lease = DeviceLease(address, plugin, held)
     if plugin is not None:
         plugin.mark_started(key)
-    token, stop_token = _current_devices.set(devices), _current_stop.set(stop)
+    token, stop_token = _current_devices.set(held), _current_stop.set(stop)
     try:
         yield lease
     finally:
         lease.seconds = time.perf_counter() - lease._t0
-        if devices and plugin is not None:
+        if held and plugin is not None:
             states = plugin.sample()
-            lease.live = {d.key: states[d.key] for d in devices if d.key in states} if states else None
+            lease.live = {d.key: states[d.key] for d in held if d.key in states} if states else None
         _current_devices.reset(token)
         _current_stop.reset(stop_token)
         if plugin is not None:
             plugin.forget(key)
-        if devices and plugin is not None:
+        if held and plugin is not None:
             plugin.allocator.release(key)
 
 
@@ -218,5 +235,8 @@ def submit(client: Any, fn: Callable[..., Any], *args: Any, request: GPURequest,
     if not request.gpus:
         return client.submit(_call, fn, request, args, kwargs, pure=False)
     inventories = cluster_inventories(client) if inventories is None else inventories
+    if request.gang(inventories):
+        raise InfeasibleRequest(f"request ({request.describe()}) needs several whole workers (a multi-host job): "
+                                "run it as an @ai_task, whose control plane places it on whole workers all at once")
     return client.submit(_call, fn, request, args, kwargs, resources=request.resources(),
                          workers=worker_restriction(request, inventories), allow_other_workers=False, pure=False)

@@ -17,8 +17,10 @@ from dask_gpu.errors import InventorySpecError
 DECLARED_ENV = "DASK_GPU_DECLARED"
 """Environment variable holding a declared inventory, e.g. ``"2 workers x 2 GPUs, 80 GB, H100"``."""
 
-DEFAULT_DECLARED_TYPE = "H100"
-DEFAULT_DECLARED_MEMORY_GB = 80.0
+DECLARED_GRAMMAR = (
+    "one or more groups separated by ';', each:  [WORKERS workers x] GPUS GPUs, MEMORY GB, TYPE\n"
+    "  e.g. '2 GPUs, 80 GB, H100' (one worker), or '2 workers x 2 GPUs, 80 GB, H100; 1 worker x 4 GPUs, 24 GB, A10'"
+)
 
 
 class GPUDevice(BaseModel):
@@ -86,9 +88,9 @@ class DeclaredGroup(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     workers: int = Field(default=1, ge=1)
-    gpus: int = Field(ge=0)
-    gpu_type: str = DEFAULT_DECLARED_TYPE
-    memory_gb: float = Field(default=DEFAULT_DECLARED_MEMORY_GB, gt=0)
+    gpus: int = Field(ge=1)
+    gpu_type: str
+    memory_gb: float = Field(gt=0)
 
     def inventory(self) -> WorkerInventory:
         return WorkerInventory(
@@ -106,60 +108,131 @@ class DeclaredGroup(BaseModel):
         )
 
     def spec(self) -> str:
-        return f"1x{self.gpus} {self.gpu_type} {self.memory_gb:g}GB"
+        """One worker of this group, in the grammar (what each worker process of a LocalGPUCluster is given)."""
+        return f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}, {self.memory_gb:g} GB, {self.gpu_type}"
 
 
-_COUNTS = re.compile(
-    r"^\s*(?:(?P<workers>\d+)\s*(?:workers?)?\s*[x×*]\s*)?(?P<gpus>\d+)\s*(?:gpus?)?\b", re.I
-)
-_MEMORY = re.compile(r"(?P<mem>\d+(?:\.\d+)?)\s*(?:gb|gib|g)\b", re.I)
-_TYPE = re.compile(r"\b(?P<type>[A-Za-z][A-Za-z0-9_.-]*)\b")
-_NOT_A_TYPE = {"x", "gpu", "gpus", "worker", "workers", "gb", "gib", "g"}
+_TOKEN = re.compile(r"\s*(?:(?P<num>\d+(?:\.\d+)?)|(?P<word>[A-Za-z][A-Za-z0-9_.-]*)|(?P<sym>\S))")
+_KEYWORDS = {"x", "worker", "workers", "gpu", "gpus", "gb"}
 
 
-def parse_declared(spec: str) -> list[DeclaredGroup]:
-    """Parse ``"2 workers x 2 GPUs, 80 GB, H100; 1x4 A10 24GB"`` into groups.
+class _Group:
+    """A recursive-descent reader of one group: each step says exactly what it expected and what it found."""
 
-    Groups are separated by ``;``. In each, the counts come first
-    (``WORKERS x GPUS`` or just ``GPUS``), then in any order a memory size in GB
-    and a GPU type name. Type and memory default to H100 and 80 GB.
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tokens: list[tuple[str, str]] = []
+        pos = 0
+        while pos < len(text):
+            m = _TOKEN.match(text, pos)
+            if m is None:  # only trailing whitespace is left
+                break
+            kind = m.lastgroup or "sym"
+            self.tokens.append((kind, m.group(kind)))
+            pos = m.end()
+        self.i = 0
+
+    def peek(self) -> tuple[str, str] | None:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def take(self) -> tuple[str, str] | None:
+        tok = self.peek()
+        self.i += tok is not None
+        return tok
+
+    def found(self) -> str:
+        tok = self.peek()
+        return "the end" if tok is None else repr(tok[1])
+
+    def number(self, what: str, whole: bool) -> float:
+        tok = self.peek()
+        if tok is None or tok[0] != "num" or (whole and "." in tok[1]):
+            kind = "a whole number" if whole else "a number"
+            raise ValueError(f"expected {kind} ({what}) but found {self.found()}")
+        self.take()
+        return float(tok[1])
+
+    def keyword(self, *words: str, hint: str = "") -> str:
+        tok = self.peek()
+        if tok is None or tok[1].lower() not in words:
+            raise ValueError(f"expected {' or '.join(repr(w) for w in words)}{hint} but found {self.found()}")
+        self.take()
+        return tok[1].lower()
+
+    def parse(self) -> DeclaredGroup:
+        first = self.number("how many GPUs, or how many workers", whole=True)
+        tok = self.peek()
+        word = tok[1].lower() if tok is not None else ""
+        workers = 1
+        if word in ("worker", "workers"):
+            self.take()
+            if self.peek() is not None and self.peek()[1] == ",":
+                raise ValueError(f"'{first:g} {word}' must be followed by 'x' (as in '{first:g} workers x 2 GPUs, "
+                                 "80 GB, H100'), not a comma: each worker's GPUs follow the 'x'")
+            self.keyword("x", "×", "*", hint=" after the number of workers")
+            workers = int(first)
+            gpus = int(self.number("GPUs per worker", whole=True))
+            self.keyword("gpus", "gpu", hint=" after the number of GPUs")
+        elif word in ("gpus", "gpu"):
+            self.take()
+            gpus = int(first)
+        elif tok is not None and (word == "x" or word.startswith("x") or tok[1] in ("×", "*")):
+            raise ValueError(f"write the counts out, as in '{first:g} workers x 2 GPUs, 80 GB, H100'")
+        else:
+            raise ValueError(f"expected 'GPUs' after the count {first:g} but found {self.found()}")
+        self.keyword(",", hint=" after the GPUs (then the memory of each GPU: it is required)")
+        memory = self.number("the memory of each GPU in GB", whole=False)
+        self.keyword("gb", hint=" after the memory")
+        self.keyword(",", hint=" after the memory (then the GPU type: it is required)")
+        tok = self.take()
+        if tok is None or tok[0] != "word" or tok[1].lower() in _KEYWORDS:
+            raise ValueError(f"expected the GPU type (H100, A100, A10, L4, ...) but found "
+                             f"{'the end' if tok is None else repr(tok[1])}")
+        if self.peek() is not None:
+            raise ValueError(f"unexpected {self.found()} after the GPU type {tok[1]!r} (one type per group: write "
+                             "another group after ';')")
+        if workers < 1 or gpus < 1:
+            raise ValueError("workers and GPUs must be at least 1")
+        if memory <= 0:
+            raise ValueError(f"the memory of each GPU must be more than 0 GB (got {memory:g} GB)")
+        return DeclaredGroup(workers=workers, gpus=gpus, gpu_type=tok[1].upper(), memory_gb=memory)
+
+
+def parse_declared(spec: str, source: str = "declared GPU inventory") -> list[DeclaredGroup]:
+    """Parse ``"2 workers x 2 GPUs, 80 GB, H100; 1 worker x 4 GPUs, 24 GB, A10"`` into groups, exactly.
+
+    The grammar (case does not matter, spaces are free)::
+
+        spec  := group (";" group)*
+        group := [WORKERS ("worker" | "workers") "x"] GPUS ("GPU" | "GPUs") "," MEMORY "GB" "," TYPE
+
+    Memory and type are required: a spec that does not parse exactly is an
+    InventorySpecError naming `source` (the setting it came from), the group,
+    what was expected there, the grammar and an example.
+
+    >>> [(g.workers, g.gpus, g.memory_gb, g.gpu_type) for g in parse_declared("2 workers x 2 GPUs, 80 GB, h100")]
+    [(2, 2, 80.0, 'H100')]
     """
     groups: list[DeclaredGroup] = []
-    for part in (p for p in spec.split(";") if p.strip()):
-        counts = _COUNTS.match(part)
-        if counts is None:
-            raise InventorySpecError(
-                f"declared GPU inventory {part.strip()!r}: expected the counts first, as in "
-                f"'2 workers x 2 GPUs, 80 GB, H100' or '2x2 H100 80GB' (set {DECLARED_ENV} "
-                "or the `declared=` argument)"
-            )
-        rest = part[counts.end():]
-        mem = _MEMORY.search(rest)
-        rest_wo_mem = _MEMORY.sub(" ", rest)
-        types = [m for m in _TYPE.findall(rest_wo_mem) if m.lower() not in _NOT_A_TYPE]
-        if len(types) > 1:
-            raise InventorySpecError(
-                f"declared GPU inventory {part.strip()!r}: found several GPU types {types}; "
-                "write one group per type, separated by ';'"
-            )
-        groups.append(
-            DeclaredGroup(
-                workers=int(counts.group("workers") or 1),
-                gpus=int(counts.group("gpus")),
-                gpu_type=types[0] if types else DEFAULT_DECLARED_TYPE,
-                memory_gb=float(mem.group("mem")) if mem else DEFAULT_DECLARED_MEMORY_GB,
-            )
-        )
+    parts = spec.split(";")
+    for part in parts:
+        if not part.strip():
+            if len(parts) > 1 and part is not parts[-1]:
+                raise InventorySpecError(f"{source} {spec!r}: an empty group between ';'.\n{DECLARED_GRAMMAR}")
+            continue
+        try:
+            groups.append(_Group(part).parse())
+        except ValueError as exc:
+            where = f" in group {part.strip()!r}" if len(parts) > 1 else ""
+            raise InventorySpecError(f"{source} {spec!r}{where}: {exc}.\nThe grammar is {DECLARED_GRAMMAR}") from None
     if not groups:
-        raise InventorySpecError(
-            f"declared GPU inventory {spec!r} is empty: write e.g. '2 workers x 2 GPUs, 80 GB, H100'"
-        )
+        raise InventorySpecError(f"{source} {spec!r} is empty.\nThe grammar is {DECLARED_GRAMMAR}")
     return groups
 
 
-def declared_worker_inventories(spec: str) -> list[WorkerInventory]:
+def declared_worker_inventories(spec: str, source: str = "declared GPU inventory") -> list[WorkerInventory]:
     """One inventory per declared worker, in spec order."""
-    return [g.inventory() for g in parse_declared(spec) for _ in range(g.workers)]
+    return [g.inventory() for g in parse_declared(spec, source) for _ in range(g.workers)]
 
 
 def _visible_filter(devices: list[GPUDevice]) -> list[GPUDevice]:
@@ -226,19 +299,22 @@ def nvml_inventory() -> WorkerInventory | None:
     return WorkerInventory(devices=tuple(_visible_filter(devices)), source="nvml")
 
 
-def discover(declared: str | None = None) -> WorkerInventory:
+def discover(declared: str | None = None, source: str | None = None) -> WorkerInventory:
     """This worker's inventory: the declared one if given (argument, then env), else NVML.
 
     A declared spec here describes one worker, so it must not ask for several.
+    `source` names the setting the spec came from in errors (default: `declared=`
+    for the argument, DASK_GPU_DECLARED for the environment).
     Where neither exists the worker has no GPUs: GPU requests then fail
     feasibility with a message that says how to declare some.
     """
+    source = source or ("declared=" if declared is not None else DECLARED_ENV)
     spec = declared if declared is not None else os.environ.get(DECLARED_ENV)
-    if spec:
-        inventories = declared_worker_inventories(spec)
+    if spec is not None and (spec.strip() or declared is not None):
+        inventories = declared_worker_inventories(spec, source)
         if len(inventories) != 1:
             raise InventorySpecError(
-                f"{DECLARED_ENV}={spec!r} declares {len(inventories)} workers, but one worker "
+                f"{source} {spec!r} declares {len(inventories)} workers, but one worker "
                 "process reads it: declare one worker here (e.g. '2 GPUs, 80 GB, H100'), "
                 "or pass the multi-worker spec to LocalGPUCluster(declared=...)"
             )

@@ -1,7 +1,8 @@
-"""The worker plugin that owns a worker's inventory and its device allocator."""
+"""The worker plugin that owns a worker's inventory, its device allocator, its trusted keys and its zygote."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -11,23 +12,30 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from dask_gpu.allocator import DeviceAllocator
 from dask_gpu.inventory import WorkerInventory
 from dask_gpu.live import DeviceState, sample
+from dask_gpu.zygote import Zygote
 
 if TYPE_CHECKING:
     from distributed import Worker
 
 PLUGIN_NAME = "dask-gpu"
+# Under `distributed`, so the worker's own log configuration shows it (a `dask worker` logs distributed.* at INFO).
+logger = logging.getLogger("distributed.dask_gpu")
 
 
 class GPUWorkerPlugin(WorkerPlugin):
-    """Installed on each GPU-aware worker by `dask_gpu.preload`."""
+    """Installed on each GPU-aware worker by `dask_gpu.preload`, with the keys the worker trusts."""
 
     name = PLUGIN_NAME
 
-    def __init__(self, inventory: WorkerInventory) -> None:
+    def __init__(self, inventory: WorkerInventory, trusted_keys: dict[str, bytes] | None = None) -> None:
         self.inventory = inventory
+        self.trusted_keys = dict(trusted_keys or {})
         self.allocator = DeviceAllocator(inventory.devices, live=self.sample)
+        self.zygote = Zygote()
+        self.worker_name = ""
         self._stops: dict[str, threading.Event] = {}
         self._started: dict[str, float] = {}  # key -> monotonic time it got its devices
+        self._leases: dict[str, float] = {}  # key -> monotonic deadline; past it the body is killed
         self._stops_lock = threading.Lock()
 
     def stop_event(self, key: str) -> threading.Event:
@@ -46,6 +54,32 @@ class GPUWorkerPlugin(WorkerPlugin):
         now = time.monotonic()
         return {k: now - self._started[k] for k in keys if k in self._started}
 
+    def renew(self, keys: list[str], seconds: float) -> list[str]:
+        """Extend the lease of running bodies; returns the keys that run here."""
+        until = time.monotonic() + seconds
+        with self._stops_lock:
+            for key in keys:
+                self._leases[key] = max(self._leases.get(key, 0.0), until)
+        return [k for k in keys if k in self._started]
+
+    def abandoned(self, key: str) -> str | None:
+        """Why nobody waits for task `key` any more (its client went away and Dask cancelled it), or None."""
+        worker = getattr(self, "_worker", None)
+        ts = worker.state.tasks.get(key) if worker is not None else None
+        if worker is not None and (ts is None or ts.state in ("cancelled", "released", "forgotten")):
+            return "its client (the control plane) went away, so Dask cancelled it"
+        return None
+
+    def lease_expired(self, key: str) -> str | None:
+        deadline = self._leases.get(key)
+        if deadline is not None and time.monotonic() > deadline:
+            return "lease expired: the control plane did not renew it in time (unreachable?), so the body was stopped"
+        return None
+
+    def forget_lease(self, key: str) -> None:
+        with self._stops_lock:
+            self._leases.pop(key, None)
+
     def forget(self, key: str) -> None:
         with self._stops_lock:
             self._stops.pop(key, None)
@@ -57,3 +91,34 @@ class GPUWorkerPlugin(WorkerPlugin):
 
     def setup(self, worker: Worker) -> None:
         self.worker_address = worker.address
+        self.worker_name = str(worker.name)
+        self._worker = worker
+        # The control plane reaches workers through the scheduler's broadcast: no out-of-band code, no log line per call.
+        worker.handlers["gpu_stop"] = self._handle_stop
+        worker.handlers["gpu_renew"] = self._handle_renew
+        worker.handlers["gpu_running_for"] = self._handle_running_for
+        worker.handlers["gpu_inventory"] = self._handle_inventory
+        # What it advertises, once; nothing is logged per poll (the handlers above log nothing).
+        logger.info("GPU worker %s (%s): %s (%s); trusts %d control-plane key(s)", worker.name, worker.address,
+                    self.inventory.describe(), self.inventory.source, len(self.trusted_keys))
+        if not self.trusted_keys:
+            logger.warning("GPU worker %s trusts no control-plane key: it will refuse every AI task. Fix: start it "
+                           "with --trust-key KEY (the key `aisched serve` prints) or DASK_GPU_TRUSTED_KEYS", worker.name)
+
+    def teardown(self, worker: Worker) -> None:
+        self.zygote.close()
+
+    def _handle_stop(self, keys: list[str]) -> list[str]:
+        for key in keys:
+            self.request_stop(key)
+        return [k for k in keys if k in self._started]
+
+    def _handle_renew(self, keys: list[str], seconds: float) -> list[str]:
+        return self.renew(keys, seconds)
+
+    def _handle_running_for(self, keys: list[str]) -> dict[str, float]:
+        return self.running_for(keys)
+
+    def _handle_inventory(self) -> dict:
+        return {"name": self.worker_name, "inventory": self.inventory.model_dump(mode="json"),
+                "held": self.allocator.holders(), "usage": self.allocator.usage()}

@@ -2,16 +2,19 @@
 
 It discovers this worker's GPUs (the inventory declared in DASK_GPU_DECLARED,
 else NVML), advertises them as worker resources before the worker registers
-with the scheduler, and installs the device-assigning plugin. LocalGPUCluster
-starts its workers with this same preload.
+with the scheduler, reads the control-plane keys it will trust
+(DASK_GPU_TRUSTED_KEYS), and installs the device-assigning plugin.
+LocalGPUCluster starts its workers with this same preload.
 """
 
 from __future__ import annotations
 
 from distributed import Worker
 
+from dask_gpu.gate import gate_worker
 from dask_gpu.inventory import discover
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
+from dask_gpu.tickets import trusted_keys_from_env
 
 
 async def dask_setup(worker: Worker) -> None:
@@ -21,4 +24,5 @@ async def dask_setup(worker: Worker) -> None:
         held = worker.state.total_resources.get(name, 0.0) - worker.state.available_resources.get(name, 0.0)
         worker.state.total_resources[name] = quantity
         worker.state.available_resources[name] = quantity - held
-    await worker.plugin_add(GPUWorkerPlugin(inventory), name=PLUGIN_NAME)
+    await worker.plugin_add(GPUWorkerPlugin(inventory, trusted_keys_from_env()), name=PLUGIN_NAME)
+    gate_worker(worker)  # on TLS: only the scheduler and the control plane may run code here or read its data

@@ -14,6 +14,22 @@ it. The client submits it there with `workers=[...]`, so Dask never holds a GPU
 task that waits behind another, and tells the plugin when it ended (`leave`,
 by the same key; also how a run still queued is taken out).
 
+Gangs: a run wider than every worker it may use needs several whole workers,
+all at once. The policy starts it only when enough workers are idle, and
+`run` then returns the list of their addresses (the first is where the lead
+task goes) instead of one address; their GPUs stay held until `leave`. A run
+that fits one worker gets one address, as before.
+
+Devices: the plugin learns each worker's devices (its `gpu_inventory`) and
+chooses which ones a run gets (`place` answers them; the worker's allocator
+takes exactly those), so its books and the workers' agree. A fraction of a GPU
+(`gpus` below 1) starts at once on a device already shared whose share and
+memory still fit (the fullest that does: best fit), on any eligible worker;
+only a fraction that needs a fresh device waits in the policy, as a one-GPU
+run, and the device it opens stays counted as busy until its last fraction
+leaves. So fractions start on what is free now, never wait behind a busy
+host, and a worker's thread count never caps them.
+
 Preemption (Kueue's reclaim): a run entered `preemptible` may borrow idle
 GPUs beyond its tenant's quota for any length of time; when another tenant's
 run fits its quota but no host, the policy picks borrowed runs to stop, the
@@ -30,23 +46,73 @@ import itertools
 import time
 from typing import Any
 
+from dataclasses import dataclass, field
+
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from dask_gpu.cluster import _stop_keys
-from dask_gpu.queue_policy import ClusterState, FairShare, Job, Policy, Running
+from dask_gpu.inventory import WorkerInventory
+from dask_gpu.queue_policy import ClusterState, FinishTimeFair, Job, Policy, Running
+from dask_gpu.request import split
 
 PLUGIN_NAME = "dask-gpu-queue"
+LEAVE_STREAM_OP = "gpu-queue-leave"  # a run ended: sent on the client's batched stream, no round trip
+_UNITS = 1_000_000  # shares of a device in millionths: no float drift
+LEARN_SECONDS = 5.0  # how long a run waits for the plugin to learn a new worker's devices
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a run asks of devices: whole ones (at least `memory` GB each) or a `share` of one (`memory` GB of it)."""
+
+    types: tuple[str, ...] | None = None
+    memory: float | None = None
+    share: float = 0.0  # 0: whole devices
+    width: int = 0
+
+    def type_ok(self, d: "Device") -> bool:
+        return self.types is None or d.type.upper() in self.types
+
+    def whole_fits(self, d: "Device") -> bool:
+        return self.type_ok(d) and (self.memory is None or d.memory >= self.memory)
+
+    def reserve(self, d: "Device") -> tuple[int, float]:
+        """(share units, GB) a fraction takes of `d`."""
+        return int(round(self.share * _UNITS)), self.memory if self.memory is not None else self.share * d.memory
+
+    def fraction_fits(self, d: "Device") -> bool:
+        units, gb = self.reserve(d)
+        return (self.type_ok(d) and d.whole is None and d.share + units <= _UNITS
+                and d.mem + gb <= d.memory + 1e-9)
+
+
+@dataclass(eq=False)
+class Device:
+    """One device of a worker, as the queue's books hold it."""
+
+    key: str
+    type: str
+    memory: float
+    whole: int | None = None  # the run that holds it whole
+    share: int = 0  # units in use by fractions
+    mem: float = 0.0  # GB reserved by fractions
+    fractions: set[int] = field(default_factory=set)
+    anchor: Running | None = None  # the policy's one-GPU run that keeps a shared device off the whole count
+
+    @property
+    def idle(self) -> bool:
+        return self.whole is None and not self.fractions
 
 
 class GPUQueuePlugin(SchedulerPlugin):
-    """Holds the cluster's queue of GPU runs and starts them with a pure policy (FairShare by default)."""
+    """Holds the cluster's queue of GPU runs and starts them with a pure policy (FinishTimeFair by default: no GPU
+    held idle while a run that fits waits, beyond EASY's reservations; preemptible runs give borrowed GPUs back)."""
 
     name = PLUGIN_NAME
 
     def __init__(self, policy: Policy | None = None) -> None:
-        self.policy = policy or FairShare()
+        self.policy = policy or FinishTimeFair()
         self.addresses: list[str] = []  # host index -> worker address (append-only; a gone worker keeps its index)
         self.state = ClusterState(free=[])
         self.waiters: dict[int, tuple[str, Job]] = {}  # queued: job id -> (client, job)
@@ -58,24 +124,134 @@ class GPUQueuePlugin(SchedulerPlugin):
         self.preempted: dict[int, tuple[str, str]] = {}  # job id -> (tenant it gave its GPUs to, its client), until it leaves
         self.preemptions = 0
         self.scheduler: Any = None
+        self.devices: dict[str, list[Device]] = {}  # worker address -> its devices, once learned
+        self._learning: dict[str, asyncio.Future] = {}
+        self.specs: dict[int, Spec] = {}  # job id -> what it asks of devices (queued or running)
+        self.fractions: dict[int, tuple[str, Device, int, float, str]] = {}  # running fractions: (worker, device,
+        # units, GB, client)
+        self.assigned: dict[int, list[tuple[str, list[str]]]] = {}  # running whole runs: (worker, device keys)
+        self.fraction_runs: dict[int, tuple[Job, float, float]] = {}  # running fractions: (job, start, share)
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.handlers["gpu_queue_run"] = self.run
+        scheduler.handlers["gpu_queue_place"] = self.place
         scheduler.handlers["gpu_queue_leave"] = self.leave
         scheduler.handlers["gpu_queue_status"] = self.status
+        if hasattr(scheduler, "stream_handlers"):
+            scheduler.stream_handlers[LEAVE_STREAM_OP] = self._leave_stream
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
+
+    def _leave_stream(self, id: str, client: str | None = None, **kwargs: Any) -> None:
+        self.leave(id)
+
+    # -- devices ------------------------------------------------------------------------
+    def _learn_soon(self, address: str) -> None:
+        if address not in self._learning and self.scheduler is not None:
+            try:
+                self._learning[address] = asyncio.ensure_future(self._learn(address))
+            except RuntimeError:  # no running event loop (a test driving the plugin by hand)
+                pass
+
+    async def _learn(self, address: str) -> None:
+        """Ask the worker's GPU plugin for its devices (once per worker address)."""
+        try:
+            found = await self.scheduler.broadcast(msg={"op": "gpu_inventory"}, workers=[address], on_error="ignore")
+        except Exception:  # not a GPU worker, or a scheduler that cannot broadcast: counts only
+            return
+        answer = found.get(address) if isinstance(found, dict) else None
+        if isinstance(answer, dict) and "inventory" in answer and address in self.addresses:
+            inv = WorkerInventory.model_validate(answer["inventory"])
+            self.devices[address] = [Device(d.key, d.gpu_type, d.memory_gb) for d in inv.devices]
+            self._dispatch()
+
+    async def _known(self, addresses: list[str]) -> None:
+        """Wait (briefly) until the devices of `addresses` are learned."""
+        for a in addresses:
+            self._learn_soon(a)
+        pending = [self._learning[a] for a in addresses if a in self._learning and not self._learning[a].done()]
+        if pending:
+            await asyncio.wait(pending, timeout=LEARN_SECONDS)
+
+    def _open_fit(self, spec: Spec, hosts: frozenset[int] | None) -> tuple[str, Device] | None:
+        """The fullest shared device (of an allowed worker) that still holds the fraction: best fit."""
+        best = None
+        for h, address in enumerate(self.addresses):
+            if hosts is not None and h not in hosts:
+                continue
+            for d in self.devices.get(address, ()):
+                if d.fractions and spec.fraction_fits(d) and (best is None or (d.share, d.mem) > (best[1].share, best[1].mem)):
+                    best = (address, d)
+        return best
+
+    def _fresh(self, address: str, spec: Spec) -> Device | None:
+        """An idle device of `address` that could hold the fraction (the smallest, to keep big ones whole)."""
+        idle = [d for d in self.devices.get(address, ()) if d.idle and spec.fraction_fits(d)]
+        return min(idle, key=lambda d: (d.memory, d.key)) if idle else None
+
+    def _assign(self, jid: int, holds: tuple[tuple[int, int], ...], gpus: int, spec: Spec) -> tuple[list[list[str]] | None, list[int]]:
+        """Which idle devices of each host a whole run (a gang: each member) gets, and each member's share.
+
+        (None, shares) where the devices of a host are not known: the worker's allocator then chooses.
+        """
+        addresses = [self.addresses[h] for h, _ in holds]
+        free = [[d for d in self.devices.get(a, ()) if d.idle and spec.whole_fits(d)] for a in addresses]
+        if len(holds) == 1:
+            shares = [gpus]
+        elif spec.width:
+            shares = [gpus // spec.width] * spec.width
+        else:
+            caps = [len(f) if a in self.devices else g for f, a, (_, g) in zip(free, addresses, holds)]
+            shares = split(gpus, caps) or [g for _, g in holds]
+        if any(a not in self.devices for a in addresses) or any(len(f) < n for f, n in zip(free, shares)):
+            return None, shares
+        out = []
+        for a, f, n in zip(addresses, free, shares):
+            chosen = sorted(f, key=lambda d: (d.memory, d.key))[:n]  # keep big devices for big requests
+            for d in chosen:
+                d.whole = jid
+            out.append(sorted((d.key for d in chosen), key=_device_order))
+        self.assigned[jid] = [(a, keys) for a, keys in zip(addresses, out)]
+        return out, shares
+
+    def _unassign(self, jid: int) -> None:
+        for address, keys in self.assigned.pop(jid, []):
+            for d in self.devices.get(address, ()):
+                if d.key in keys and d.whole == jid:
+                    d.whole = None
+
+    def _start_fraction(self, jid: int, client: str, address: str, d: Device, spec: Spec, job: Job) -> None:
+        units, gb = spec.reserve(d)
+        self.fraction_runs[jid] = (job, time.time(), spec.share)
+        d.share += units
+        d.mem += gb
+        d.fractions.add(jid)
+        self.fractions[jid] = (address, d, units, gb, client)
+        self._answer(jid, {"workers": [address], "devices": [[d.key]], "shares": [spec.share]})
+
+    def _end_fraction(self, jid: int) -> None:
+        address, d, units, gb, _ = self.fractions.pop(jid)
+        self.fraction_runs.pop(jid, None)
+        d.share -= units
+        d.mem -= gb
+        d.fractions.discard(jid)
+        if not d.fractions and d.anchor is not None:  # the last fraction left: the device counts as free again
+            if d.anchor in self.state.running:
+                self.state.release(d.anchor)
+            d.anchor = None
 
     # -- workers ------------------------------------------------------------------------
     def add_worker(self, scheduler: Any, worker: str) -> None:
         gpus = int(scheduler.workers[worker].resources.get("GPU", 0)) if worker in scheduler.workers else 0
         if worker in self.addresses:
             h = self.addresses.index(worker)
-            self.state.free[h] = gpus - sum(r.job.gpus for r, _ in self.running.values() if r.host == h)
+            self.state.size[h] = gpus
+            self.state.free[h] = gpus - sum(g for r, _ in self.running.values() for x, g in r.holds if x == h)
         else:
             self.addresses.append(worker)
-            self.state.free.append(gpus)
+            self.state.add_host(gpus)
+        self._learn_soon(worker)
         self._dispatch()
 
     def _address(self, worker: str) -> str | None:
@@ -87,61 +263,122 @@ class GPUQueuePlugin(SchedulerPlugin):
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         if worker in self.addresses:
             h = self.addresses.index(worker)
-            self.state.free[h] = 0
+            self.state.free[h] = self.state.size[h] = 0
             for jid, (run, _) in list(self.running.items()):
-                if run.host == h:  # Dask reschedules or fails it; its place here is gone either way
+                if h in run.hosts:  # Dask reschedules or fails it; its place here is gone either way
                     self._drop_running(jid, free=False)
+                    for x, g in run.holds:  # a gang's other workers are free again
+                        if x != h:
+                            self.state.free[x] += g
+            for jid in [j for j, f in self.fractions.items() if f[0] == worker]:
+                d = self.fractions.pop(jid)[1]
+                self.fraction_runs.pop(jid, None)
+                if d.anchor is not None and d.anchor in self.state.running:
+                    self.state.running.remove(d.anchor)
+                d.anchor = None
+            self.devices.pop(worker, None)
+            self._learning.pop(worker, None)
+            self._dispatch()
 
     # -- clients ------------------------------------------------------------------------
     def remove_client(self, scheduler: Any, client: str) -> None:
         """A client went away (its flow process died): forget what it queued and free what it ran."""
         mine = [jid for jid, (c, _) in self.waiters.items() if c == client]
         if mine:
-            self.policy.remove([self.waiters[j][1] for j in mine])
+            self.policy.withdraw([self.waiters[j][1] for j in mine])
             for jid in mine:
                 del self.waiters[jid]
                 self._answer(jid, None)
         for jid, (_, c) in list(self.running.items()):
             if c == client:
                 self._drop_running(jid)
+        for jid in [j for j, f in self.fractions.items() if f[4] == client]:
+            self._end_fraction(jid)
         self.preempted = {j: p for j, p in self.preempted.items() if p[1] != client}
-        self.keys = {k: j for k, j in self.keys.items() if j in self.waiters or j in self.running or j in self.preempted}
+        self.keys = {k: j for k, j in self.keys.items()
+                     if j in self.waiters or j in self.running or j in self.preempted or j in self.fractions}
         self.tasks = {j: k for j, k in self.tasks.items() if j in self.waiters or j in self.running}
+        self.specs = {j: v for j, v in self.specs.items() if j in self.waiters or j in self.running}
         self._dispatch()
 
     # -- handlers -----------------------------------------------------------------------
-    async def run(self, key: str, tenant: str, gpus: int, estimate: float, priority: int = 0,
-                  workers: list[str] | None = None, client: str = "", preemptible: bool = False,
-                  task: str | None = None) -> str | None:
-        """Queue one run under the client's `key` and return the worker it must go to, once the policy
-        starts it; None if it left the queue first (`leave(key)`). One round trip per run.
+    async def place(self, key: str, tenant: str, gpus: float, estimate: float, priority: int = 0,
+                    workers: list[str] | None = None, client: str = "", preemptible: bool = False,
+                    task: str | None = None, width: int = 0, types: list[str] | None = None,
+                    memory: float | None = None) -> dict[str, Any] | None:
+        """Queue one run under the client's `key`; once the policy starts it, return where:
+        `{"workers": [address, ...], "devices": [[device key, ...], ...] | None, "shares": [...]}` (one entry
+        per worker: a gang has several, member 0 first; `devices` None where the worker's devices are not
+        known, so its allocator chooses). None if it left the queue first (`leave(key)`). One round trip per run.
 
-        A `preemptible` run names the Dask key it will run under (`task`): the key a preemption stops.
+        `gpus` below 1 is a fraction of one device (`memory` GB of it, default its share); whole GPUs may ask
+        for `memory` GB per device; `types` restricts the device types; `width` fixes a gang's hosts. A
+        `preemptible` run names the Dask key it will run under (`task`): the key a preemption stops.
         """
-        jid = self.enter(tenant, gpus, estimate, priority, workers, client, preemptible)
-        self.keys[key] = jid
+        addresses = self._addresses(workers)
+        await self._known(addresses if workers else list(self.addresses))
+        spec = Spec(types=tuple(t.upper() for t in types) if types else None, memory=memory,
+                    share=gpus if 0 < gpus < 1 else 0.0, width=width)
+        hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
+        if spec.share:
+            jid = next(self.ids)
+            self.keys[key] = jid
+            self.answers[jid] = asyncio.get_running_loop().create_future()
+            fit = self._open_fit(spec, hosts)
+            job = Job(id=jid, tenant=tenant, gpus=1, submit=time.time(), estimate=estimate, priority=priority,
+                      hosts=hosts)
+            if fit is not None:  # a shared device has room: start now, whatever waits for whole GPUs
+                self._start_fraction(jid, client, fit[0], fit[1], spec, job)
+            else:  # it opens a device: a one-GPU run for the policy
+                self.specs[jid] = spec
+                self._enter(job, client)
+        else:
+            jid = self.enter(tenant, int(gpus), estimate, priority, workers, client, preemptible, width=width,
+                             spec=spec)
+            self.keys[key] = jid
         if task is not None:
             self.tasks[jid] = task
         return await self.wait(jid)
 
-    def enter(self, tenant: str, gpus: int, estimate: float, priority: int = 0,
-              workers: list[str] | None = None, client: str = "", preemptible: bool = False) -> int:
-        """Queue one run; returns its id (then `wait` for the worker it must run on)."""
+    async def run(self, key: str, tenant: str, gpus: int, estimate: float, priority: int = 0,
+                  workers: list[str] | None = None, client: str = "", preemptible: bool = False,
+                  task: str | None = None) -> str | list[str] | None:
+        """`place` answering only the worker (a gang: the list of whole workers it holds); None if it left
+        the queue first (`leave(key)`)."""
+        where = await self.place(key, tenant, gpus, estimate, priority, workers, client, preemptible, task)
+        if where is None:
+            return None
+        return where["workers"][0] if len(where["workers"]) == 1 else where["workers"]
+
+    def _addresses(self, workers: list[str] | None) -> list[str]:
         addresses = [a for a in (self._address(w) for w in workers or []) if a is not None]
         for a in addresses:
             if a not in self.addresses:
                 self.add_worker(self.scheduler, a)
+        return addresses
+
+    def enter(self, tenant: str, gpus: int, estimate: float, priority: int = 0,
+              workers: list[str] | None = None, client: str = "", preemptible: bool = False, width: int = 0,
+              spec: Spec | None = None) -> int:
+        """Queue one run; returns its id (then `wait` for the worker it must run on)."""
+        addresses = self._addresses(workers)
         hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
         job = Job(id=next(self.ids), tenant=tenant, gpus=gpus, submit=time.time(), estimate=estimate,
-                  priority=priority, hosts=hosts, preemptible=preemptible)
+                  priority=priority, hosts=hosts, preemptible=preemptible, width=width if width > 1 else 0)
+        if spec is not None:
+            self.specs[job.id] = spec
         self.answers[job.id] = asyncio.get_running_loop().create_future()
+        self._enter(job, client)
+        return job.id
+
+    def _enter(self, job: Job, client: str) -> None:
+        self.answers.setdefault(job.id, asyncio.get_running_loop().create_future())
         self.waiters[job.id] = (client, job)
         self.policy.submit(job, self.state)
         self._dispatch()
-        return job.id
 
-    async def wait(self, id: int) -> str | None:
-        """The worker run `id` must go to, once the policy starts it; None if it left the queue first."""
+    async def wait(self, id: int) -> dict[str, Any] | None:
+        """Where run `id` goes (see `place`), once the policy starts it; None if it left the queue first."""
         fut = self.answers.get(id)
         if fut is None:
             return None
@@ -160,27 +397,36 @@ class GPUQueuePlugin(SchedulerPlugin):
         preempted_for, _ = self.preempted.pop(id, (None, ""))
         if id in self.waiters:
             _, job = self.waiters.pop(id)
-            self.policy.remove([job])
+            self.policy.withdraw([job])
             self._answer(id, None)
         elif id in self.running:
             self._drop_running(id)
+        elif id in self.fractions:
+            self._end_fraction(id)
+        self.specs.pop(id, None)
         self._dispatch()
         return preempted_for
 
     def status(self, runs: bool = False) -> dict[str, Any]:
         """Counts, free GPUs per worker, tenant weights, preemptions so far; with `runs`, every run: those
         running, then those queued in the order the policy would serve them now."""
-        out: dict[str, Any] = {"queued": self.policy.waiting(), "running": len(self.running),
+        out: dict[str, Any] = {"queued": self.policy.waiting(), "running": len(self.running) + len(self.fractions),
                                "free": dict(zip(self.addresses, self.state.free)),
+                               "fractions": len(self.fractions),
+                               "devices": {a: {d.key: ("whole" if d.whole is not None else round(d.share / _UNITS, 6))
+                                               for d in ds} for a, ds in self.devices.items()},
                                "weights": dict(getattr(self.policy, "weights", {})), "preempted": self.preemptions}
         if runs:
             now = time.time()
             order = getattr(self.policy, "order", None)
             queued = list(order(now, self.state)) if order else [job for _, job in self.waiters.values()]
             out["runs"] = [
-                *({"state": "running", "worker": self.addresses[r.host], "since": r.start, **_fields(r.job)}
-                  for r, _ in self.running.values()),
-                *({"state": "queued", "worker": None, "since": job.submit, **_fields(job)} for job in queued),
+                *({"state": "running", "worker": self.addresses[r.host], "workers": [self.addresses[h] for h in r.hosts],
+                   "since": r.start, **_fields(r.job)} for r, _ in self.running.values()),
+                *({"state": "running", "worker": self.fractions[j][0], "workers": [self.fractions[j][0]],
+                   "since": since, **_fields(job), "gpus": share} for j, (job, since, share) in self.fraction_runs.items()),
+                *({"state": "queued", "worker": None, "workers": [], "since": job.submit, **_fields(job)}
+                  for job in queued),
             ]
         return out
 
@@ -193,11 +439,14 @@ class GPUQueuePlugin(SchedulerPlugin):
     # -- policy -------------------------------------------------------------------------
     def _drop_running(self, jid: int, free: bool = True) -> None:
         run, _ = self.running.pop(jid)
-        self.state.running.remove(run)
+        self._unassign(jid)
+        self.specs.pop(jid, None)
         if free:
-            self.state.free[run.host] += run.job.gpus
+            self.state.release(run)
+        else:
+            self.state.running.remove(run)
 
-    def _answer(self, jid: int, worker: str | None) -> None:
+    def _answer(self, jid: int, worker: dict[str, Any] | None) -> None:
         fut = self.answers.get(jid)
         if fut is not None and not fut.done():
             fut.set_result(worker)
@@ -207,12 +456,28 @@ class GPUQueuePlugin(SchedulerPlugin):
             return
         now = time.time()
         self._preempt(now)
+        for jid in [j for j in self.waiters if self.specs.get(j, Spec()).share]:  # a shared device made room
+            client, job = self.waiters[jid]
+            fit = self._open_fit(self.specs[jid], job.hosts)
+            if fit is not None:
+                del self.waiters[jid]
+                self.policy.withdraw([job])
+                self._start_fraction(jid, client, fit[0], fit[1], self.specs.pop(jid), job)
         for start in self.policy.schedule(now, self.state):
             client, job = self.waiters.pop(start.job.id)
-            run = Running(start.job, start.host, now)
+            run = Running(start.job, start.host, now, start.gang)
             self.state.running.append(run)
+            spec = self.specs.get(job.id, Spec())
+            address = self.addresses[start.host]
+            device = self._fresh(address, spec) if spec.share else None
+            if device is not None:  # a fraction opens a device: the policy's run keeps it counted until it empties
+                device.anchor = run
+                self._start_fraction(job.id, client, address, device, self.specs.pop(job.id), job)
+                continue
             self.running[job.id] = (run, client)
-            self._answer(job.id, self.addresses[start.host])
+            devices, shares = self._assign(job.id, start.holds, job.gpus, spec) if not spec.share else (None, [spec.share])
+            self._answer(job.id, {"workers": [self.addresses[h] for h in start.hosts], "devices": devices,
+                                  "shares": shares})
 
     def _preempt(self, now: float) -> None:
         """Stop the runs the policy takes back: their GPUs are free for this pass; their workers stop them."""
@@ -226,8 +491,12 @@ class GPUQueuePlugin(SchedulerPlugin):
             if task is not None:
                 by_worker.setdefault(self.addresses[p.run.host], []).append(task)
         for worker, keys in by_worker.items():  # the worker's stop path, as a client's request_stop takes
-            msg = {"op": "run", "function": dumps(_stop_keys), "args": dumps((keys,)), "kwargs": dumps({}), "wait": True}
+            msg = {"op": "gpu_stop", "keys": keys}
             asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
+
+
+def _device_order(key: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in key.split(":") if x.isdigit())
 
 
 def _fields(job: Job) -> dict[str, Any]:

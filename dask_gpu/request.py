@@ -2,45 +2,68 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dask_gpu.errors import InfeasibleRequest
 from dask_gpu.inventory import GPUDevice, WorkerInventory, type_resource
 
+MIN_GPU_FRACTION = 0.01
+"""The smallest share of one device a request may ask for (1/100): below it a run would hold a
+device's slot and almost none of its price."""
+MAX_GPU_MEMORY_GB = 16_384.0
+"""More memory than any one device has, by far: a bound that refuses inf and typos."""
+
 
 class GPURequest(BaseModel):
-    """Whole devices on one worker, or a fraction of one device, of some types and memory.
+    """Whole devices on one worker (or on several whole workers), or a fraction of one device, of some types and memory.
 
-    `gpus` is a whole number (that many devices, all on one worker, never
-    shared) or a fraction below 1 (a share of one device). For whole devices
-    `gpu_memory_gb` is the least memory each must have; for a fraction it is
-    the memory reserved on the shared device (default: that fraction of it).
-    `gpu_type` is one type or a tuple of acceptable types.
+    `gpus` is a whole number (that many devices, never shared) or a fraction
+    below 1 (a share of one device). For whole devices `gpu_memory_gb` is the
+    least memory each must have; for a fraction it is the memory reserved on
+    the shared device (default: that fraction of it). `gpu_type` is one type or
+    a tuple of acceptable types.
+
+    `hosts` spreads whole devices over several whole workers (a multi-host job,
+    one process per host): `hosts=2, gpus=16` is 8 on each of two workers. None
+    (the default): one worker when one can hold it, else the fewest whole
+    workers that can (a *gang*, placed all at once or not at all).
     """
 
     model_config = ConfigDict(frozen=True)
 
-    gpus: float = Field(default=0, ge=0)
-    gpu_memory_gb: float | None = Field(default=None, gt=0)
+    gpus: float = Field(default=0, ge=0, allow_inf_nan=False)
+    gpu_memory_gb: float | None = Field(default=None, gt=0, le=MAX_GPU_MEMORY_GB, allow_inf_nan=False)
     gpu_type: str | tuple[str, ...] | None = None
+    hosts: int | None = Field(default=None, ge=1)
 
     @field_validator("gpus")
     @classmethod
     def _whole_or_fraction(cls, v: float) -> float:
         if v >= 1 and v != int(v):
             raise ValueError("gpus must be a whole number of devices, or a fraction of one device below 1 (0.25, 0.5)")
+        if 0 < v < MIN_GPU_FRACTION:
+            raise ValueError(f"gpus={v!r} is less than the smallest share of a device, {MIN_GPU_FRACTION:g}: "
+                             f"ask for gpus={MIN_GPU_FRACTION:g} or more, or gpus=0 for no GPU")
         return v
+
+    @model_validator(mode="after")
+    def _hosts_fit(self) -> GPURequest:
+        if self.hosts is not None and self.hosts > 1:
+            if self.gpus < self.hosts or self.gpus % self.hosts:
+                raise ValueError(f"hosts={self.hosts} spreads whole GPUs evenly over that many workers: gpus must be a "
+                                 f"multiple of it (e.g. gpus={self.hosts * 8}, hosts={self.hosts}), got gpus={self.gpus:g}")
+        return self
 
     @field_validator("gpu_type")
     @classmethod
     def _types_upper(cls, v: str | tuple[str, ...] | list[str] | None) -> str | tuple[str, ...] | None:
         if v is None:
             return None
-        if isinstance(v, str):
-            return v.upper()
-        types = tuple(t.upper() for t in v)
+        types = tuple(t.strip().upper() for t in ((v,) if isinstance(v, str) else v))
         if not types:
             raise ValueError("gpu_type must name at least one type, or be None for any")
+        if not all(types):
+            raise ValueError(f"gpu_type={v!r} has an empty name: name a type (e.g. 'H100'), or pass None for any")
         return types[0] if len(types) == 1 else types
 
     @property
@@ -68,9 +91,23 @@ class GPURequest(BaseModel):
             return device.memory_gb
         return self.gpu_memory_gb if self.gpu_memory_gb is not None else self.gpus * device.memory_gb
 
+    def fitting(self, inventory: WorkerInventory) -> int:
+        """How many of this worker's devices could hold (a share of) the request."""
+        return sum(1 for d in inventory.devices if self.device_fits(d))
+
     def fits(self, inventory: WorkerInventory) -> bool:
-        """Could this worker ever hold the request (all devices free)?"""
-        return sum(1 for d in inventory.devices if self.device_fits(d)) >= self.devices_needed
+        """Could this worker alone ever hold the request (all devices free)?"""
+        return (self.hosts or 1) == 1 and self.fitting(inventory) >= self.devices_needed
+
+    def gang(self, inventories: dict[str, WorkerInventory]) -> bool:
+        """Whether the request runs on several whole workers (explicit `hosts`, or wider than every worker)."""
+        if self.hosts is not None:
+            return self.hosts > 1
+        return self.gpus >= 1 and not any(self.fits(inv) for inv in inventories.values())
+
+    def member(self, gpus: int) -> GPURequest:
+        """What one member of a gang holds on its worker: `gpus` whole devices of the same kind."""
+        return GPURequest(gpus=gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type)
 
     def resources(self) -> dict[str, float]:
         """Dask resource annotation: the counters Dask itself enforces before the allocator packs."""
@@ -84,7 +121,7 @@ class GPURequest(BaseModel):
         return res
 
     def describe(self) -> str:
-        parts = [f"gpus={self.gpus:g}"]
+        parts = [f"gpus={self.gpus:g}"] + ([f"hosts={self.hosts}"] if self.hosts is not None else [])
         if self.gpu_type:
             parts.append(f"gpu_type={self.gpu_type!r}")
         if self.gpu_memory_gb:
@@ -92,24 +129,79 @@ class GPURequest(BaseModel):
         return ", ".join(parts)
 
 
+def split(gpus: int, capacities: list[int]) -> list[int] | None:
+    """GPUs of each gang member: as even as the members' capacities allow (water-filling); None if they cannot hold it.
+
+    >>> split(16, [8, 8]), split(12, [8, 8]), split(10, [8, 2]), split(10, [4, 4])
+    ([8, 8], [6, 6], [8, 2], None)
+    """
+    if sum(capacities) < gpus or not capacities:
+        return None
+    shares = [0] * len(capacities)
+    left, open_ = gpus, sorted(range(len(capacities)), key=lambda i: capacities[i])
+    while open_:
+        even = left // len(open_)
+        i = open_[0]
+        if capacities[i] <= even:  # the smallest cannot take an even share: it takes all it has
+            shares[i] = capacities[i]
+            left -= capacities[i]
+            open_.pop(0)
+            continue
+        extra = left - even * len(open_)
+        for j in sorted(open_):  # the remainder goes to the first members (rank 0 first)
+            shares[j] = even + (1 if extra > 0 else 0)
+            extra -= 1
+        return shares
+    return shares if left == 0 else None
+
+
+def gang_workers(request: GPURequest, inventories: dict[str, WorkerInventory]) -> list[str]:
+    """The workers that could be members of the gang `request` is; raise if there are not enough.
+
+    With `hosts=N` each member needs gpus/N fitting devices and N such workers
+    must exist; without, the workers with fitting devices must hold `gpus` together.
+    """
+    if request.fractional:
+        raise InfeasibleRequest(f"request ({request.describe()}): a fraction of a GPU runs on one worker; hosts= "
+                                "needs whole GPUs")
+    need = int(request.gpus) // request.hosts if request.hosts else 1
+    members = [w for w, inv in inventories.items() if request.fitting(inv) >= need]
+    total = sum(request.fitting(inventories[w]) for w in members)
+    if (len(members) >= request.hosts and request.hosts > 1) if request.hosts else total >= request.gpus:
+        return members
+    have = ", ".join(f"{w}: {request.fitting(inv)}" for w, inv in inventories.items()) or "no workers"
+    wanted = (f"{request.hosts} workers with {need} fitting GPUs each" if request.hosts
+              else f"whole workers with {int(request.gpus)} fitting GPUs together")
+    addr, largest = _largest(inventories)
+    raise InfeasibleRequest(
+        f"request ({request.describe()}) fits no worker of the cluster, and no multi-host gang either: it needs "
+        f"{wanted}; the largest worker {addr} has {largest.describe()}, and the GPUs that fit per worker are: {have}. "
+        "Lower gpus or hosts, change gpu_type/gpu_memory_gb, or add GPU workers")
+
+
+def _largest(inventories: dict[str, WorkerInventory]) -> tuple[str, WorkerInventory]:
+    return max(inventories.items(),
+               key=lambda kv: (len(kv[1].devices), max((d.memory_gb for d in kv[1].devices), default=0)))
+
+
 def eligible_workers(request: GPURequest, inventories: dict[str, WorkerInventory]) -> list[str]:
-    """Addresses of the workers that could hold `request`; raise if there are none.
+    """Names of the workers that could hold `request` (a gang: that could be its members); raise if there are none.
 
     Plain Dask would leave such a task waiting forever in `no-worker`; here it
-    fails at once, naming the largest worker so the fix is obvious.
+    fails at once, naming the largest worker so the fix is obvious. A request
+    wider than every worker (or with `hosts` > 1) is a gang over whole workers.
     """
     fits = [addr for addr, inv in inventories.items() if request.fits(inv)]
     if fits:
         return fits
+    if inventories and request.gang(inventories):
+        return gang_workers(request, inventories)
     if not inventories:
         raise InfeasibleRequest(
             f"request ({request.describe()}) cannot be placed: the cluster has no workers; "
             "start GPU workers (LocalGPUCluster, or `dask worker --preload dask_gpu.preload`)"
         )
-    addr, largest = max(
-        inventories.items(),
-        key=lambda kv: (len(kv[1].devices), max((d.memory_gb for d in kv[1].devices), default=0)),
-    )
+    addr, largest = _largest(inventories)
     raise InfeasibleRequest(
         f"request ({request.describe()}) fits no worker of the cluster; the largest worker "
         f"{addr} has {largest.describe()} ({largest.source}). Lower gpus/gpu_memory_gb, change "

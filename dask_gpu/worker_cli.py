@@ -1,32 +1,89 @@
 """`dask-gpu-worker`: `dask worker` with the GPU preload, for hosts that join an existing scheduler.
 
-    dask-gpu-worker tcp://scheduler:8786 --nthreads 9
-    dask-gpu-worker tcp://scheduler:8786 --declared "4 GPUs, 24 GB, L4"   # no NVML: declare them
+    dask-gpu-worker tls://scheduler:8786 --tls-dir /etc/aisched/tls --trust-key KEY
+    dask-gpu-worker tls://scheduler:8786 --tls-dir /etc/aisched/tls --trust-key KEY \\
+        --declared "4 GPUs, 24 GB, L4"                                 # no NVML: declare them
 
-Every other option is `dask worker`'s own.
+`--trust-key` (repeatable; DASK_GPU_TRUSTED_KEYS) is the control plane's public
+key, as `aisched serve` prints it: the worker runs only bodies whose ticket it
+signed. `--tls-dir` is a directory with the cluster's `ca.pem`, `cluster.pem`
+and `cluster.key` (what `dask-gpu-scheduler --tls-dir` writes). Every other
+option is `dask worker`'s own.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
-from dask_gpu.cluster import PRELOAD
+from dask_gpu.errors import InventorySpecError
 from dask_gpu.inventory import DECLARED_ENV, discover
+from dask_gpu.tickets import TRUSTED_KEYS_ENV, TicketRejected, parse_trusted_keys
+
+PRELOAD = "dask_gpu.preload"
+
+
+def take_option(args: list[str], name: str, prog: str, example: str, many: bool = False) -> list[str]:
+    """Remove every `name VALUE` (and `name=VALUE`) from `args`; return the values."""
+    values, i = [], 0
+    while i < len(args):
+        if args[i] == name:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                sys.exit(f"{prog}: {name} needs a value, e.g. {name} {example}")
+            values.append(args[i + 1])
+            del args[i : i + 2]
+        elif args[i].startswith(name + "="):
+            values.append(args[i].split("=", 1)[1])
+            del args[i]
+        else:
+            i += 1
+    if len(values) > 1 and not many:
+        sys.exit(f"{prog}: {name} was given {len(values)} times; give it once")
+    return values
+
+
+def tls_files(directory: str, party: str, prog: str) -> dict[str, str]:
+    """The CA and `party`'s certificate and key in `directory`, checked to exist."""
+    d = Path(directory)
+    files = {"ca": d / "ca.pem", "cert": d / f"{party}.pem", "key": d / f"{party}.key"}
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        sys.exit(f"{prog}: --tls-dir {directory}: missing {', '.join(missing)}. Fix: copy ca.pem, {party}.pem and "
+                 f"{party}.key from the directory `dask-gpu-scheduler --tls-dir` wrote")
+    return {k: str(v) for k, v in files.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
+    prog = "dask-gpu-worker"
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--declared" in args:
-        i = args.index("--declared")
-        if i + 1 >= len(args):
-            sys.exit("dask-gpu-worker: --declared needs a value, e.g. --declared '2 GPUs, 80 GB, H100'")
-        os.environ[DECLARED_ENV] = args[i + 1]
-        del args[i : i + 2]
-        discover()  # a bad spec fails here, with its message, not inside the worker
+    declared = take_option(args, "--declared", prog, "'2 GPUs, 80 GB, H100'")
+    if declared:
+        try:
+            discover(declared[0], source="--declared")  # a bad spec fails here, with its message, not inside the worker
+        except InventorySpecError as exc:
+            sys.exit(f"{prog}: {exc}")
+        os.environ[DECLARED_ENV] = declared[0]
+    elif os.environ.get(DECLARED_ENV) is not None:
+        try:
+            discover()
+        except InventorySpecError as exc:
+            sys.exit(f"{prog}: {exc}")
+    keys = take_option(args, "--trust-key", prog, "KEY (the public key `aisched serve` prints)", many=True)
+    if keys:
+        spec = ",".join([*keys, *filter(None, [os.environ.get(TRUSTED_KEYS_ENV)])])
+        try:
+            parse_trusted_keys(spec)
+        except TicketRejected as exc:
+            sys.exit(f"{prog}: --trust-key: {exc}")
+        os.environ[TRUSTED_KEYS_ENV] = spec
+    tls_dir = take_option(args, "--tls-dir", prog, "/etc/aisched/tls")
+    if tls_dir:
+        files = tls_files(tls_dir[0], "cluster", prog)
+        args += ["--tls-ca-file", files["ca"], "--tls-cert", files["cert"], "--tls-key", files["key"]]
     from distributed.cli.dask_worker import main as dask_worker
 
-    dask_worker.main(args=[*args, "--preload", PRELOAD], prog_name="dask-gpu-worker")
+    dask_worker.main(args=[*args, "--preload", PRELOAD], prog_name=prog)
 
 
 if __name__ == "__main__":  # pragma: no cover

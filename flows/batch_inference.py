@@ -32,8 +32,9 @@ import time
 from typing import Any
 
 from prefect import Task, flow, get_run_logger, task, unmapped
+from prefect.context import FlowRunContext
 
-from aisched_prefect import ai_task, current_devices
+from aisched_prefect import ai_task, current_devices, current_worker
 from flows.common import ensure_example_blocks, example_runner
 
 PRINCIPAL = "examples/batch-inference"
@@ -48,14 +49,12 @@ def make_shards(shards: int, rows_per_shard: int) -> list[dict[str, Any]]:
 
 def score_shard(shard: dict[str, Any], model: str, seconds: float) -> dict[str, Any]:
     """Score one shard on this task's share of a GPU (deterministic stand-in arithmetic)."""
-    from distributed import get_worker
-
     started = time.time()
     device = current_devices()[0]
     scores = [int(hashlib.sha256(f"{model}:{row}".encode()).hexdigest()[:8], 16) % 1000 / 1000 for row in shard["rows"]]
     time.sleep(seconds)  # the model's forward passes
     return {"shard": shard["shard"], "rows": len(scores), "mean_score": sum(scores) / len(scores),
-            "worker": str(get_worker().name), "device": device.key, "gpu_type": device.gpu_type,
+            "worker": current_worker(), "device": device.key, "gpu_type": device.gpu_type,
             "started": started, "ended": time.time()}
 
 
@@ -90,6 +89,7 @@ def gather(results: list[dict[str, Any]], shards: int) -> dict[str, Any]:
                         "most_at_once": most_at_once([(r["started"], r["ended"]) for r in rs])}
                     for d, rs in sorted(by_device.items())},
         "results": sorted(results, key=lambda r: r["shard"]),
+        "flow_run_id": str(FlowRunContext.get().flow_run.id),
     }
 
 

@@ -14,10 +14,10 @@ The runner reads its environment when the flow module is imported:
 - `DASK_GPU_DECLARED`: the GPU inventory of the embedded Dask cluster; unset, the same
   default as `flows/nightly.py` (2 workers x 2 GPUs, 80 GB, H100); set to the empty
   string, the GPUs NVML finds on this host.
-- `DASK_SCHEDULER_ADDRESS`: run on an existing GPU-aware Dask cluster instead of an
-  embedded one (its workers started with `dask-gpu-worker`, able to import `flows`).
-- `AISCHED_LEDGER_URL` / `AISCHED_HOME`: where the ledger is (read by the runner itself
-  when the flow run starts; default `~/.aisched/ledger.db`).
+- `AISCHED_CONTROL_PLANE` / `AISCHED_TOKEN`: run under a shared control plane (`aisched serve`,
+  its workers able to import `flows`) with the credential an operator issued; unset, each flow run
+  starts an embedded control plane with its own local cluster and applies the example blocks itself.
+- `AISCHED_HOME`: where an embedded control plane keeps its ledger (default `~/.aisched/ledger.db`).
 - `AISCHED_EXAMPLES_APPROVER`: `pause` (a person answers the form in the Prefect UI, or
   `aisched approve`; a deployment run is suspended meanwhile and holds no process) or
   `policy` (nobody is asked; a rule that asks a person denies). Unset: `pause` when
@@ -54,20 +54,22 @@ APPROVER = "alice"
 """The person who may approve promotions (and expensive runs) of the examples."""
 
 APPROVER_ENV = "AISCHED_EXAMPLES_APPROVER"
+PRINCIPALS = ("examples/nightly-training", "examples/batch-inference", "examples/llm-pipeline", "examples/deployments")
+"""Who the example flows act as: each a member of the examples group, named exactly."""
 LLM_MODEL = "example-llm"
 
 
 def example_blocks() -> tuple[AuthorityBlock, BudgetBlock, ApprovalPolicyBlock, ClusterBlock]:
     """The blocks the examples run under, as an operator would write them. Pure data: nothing is saved."""
     authority = AuthorityBlock(grants=[
-        # Every example flow acts as examples/<flow>; GPU type left open so NVML hosts work too.
-        Grant(id="examples-root", principal=f"{TENANT}/*",
+        # Every example flow acts as examples/<flow>, a member of the group; GPU type left open so NVML hosts work too.
+        Grant(id="examples-root", principal=f"group:{TENANT}",
               kinds=["training", "evaluation", "promotion", "inference", "model-call"],
               max_gpus=4, max_cost_per_run=5.0),
         # A person, not a flow: the only one whose answer to an approval form counts.
         Grant(id="alice-approves", principal=APPROVER, kinds=["training", "evaluation", "promotion", "inference"],
               max_gpus=4, max_cost_per_run=5.0, can_approve=True),
-    ])
+    ], groups={TENANT: list(PRINCIPALS)})
     budget = BudgetBlock(
         limit=50.0, period="monthly", currency="USD",
         gpu_hour_prices={"H100": 4.0, "A100": 2.5, "*": 2.0},
@@ -113,14 +115,18 @@ def ensure_example_blocks(name: str = BLOCK_NAME) -> list[str]:
 
 
 def example_runner(principal: str, approver: Any = None) -> AISchedTaskRunner:
-    """The runner every example flow uses, configured from the environment (see the module docstring)."""
-    address = os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+    """The runner every example flow uses, configured from the environment (see the module docstring).
+
+    Under a shared control plane the credential says who the flow is and which blocks it runs under, so
+    the runner names nothing; embedded, it names the example blocks for its own control plane to apply.
+    """
+    chosen = approver if approver is not None else os.environ.get(
+        APPROVER_ENV, "pause" if os.environ.get("PREFECT_API_URL") else "policy")
+    if os.environ.get("AISCHED_CONTROL_PLANE"):
+        return AISchedTaskRunner(approver=chosen)
     return AISchedTaskRunner(
         principal=principal, authority=BLOCK_NAME, budget=BLOCK_NAME, approval_policy=BLOCK_NAME, cluster=BLOCK_NAME,
-        approver=approver if approver is not None else os.environ.get(
-            APPROVER_ENV, "pause" if os.environ.get("PREFECT_API_URL") else "policy"),
-        address=address, declared=None if address else os.environ.get(DECLARED_ENV, DECLARED),
-    )
+        approver=chosen, declared=os.environ.get(DECLARED_ENV, DECLARED))
 
 
 def examples_home() -> Path:

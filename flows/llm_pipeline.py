@@ -8,8 +8,8 @@ What it shows:
   USD), and reports its real usage with `report_usage(input_tokens=..., output_tokens=...)`;
   settlement charges what was reported and releases the rest of the hold.
 - The example ClusterBlock limits `example-llm*` to 2 calls in flight and 120 starts a
-  minute, shared by every flow run on the Prefect server: the mapped calls wait for a
-  slot (Prefect global concurrency limits) instead of hitting the provider's 429s, and
+  minute, shared by every flow run on the cluster: the mapped calls wait for a slot
+  (kept by the cluster's scheduler, beside its queue) instead of hitting the provider's 429s, and
   each settlement records how long its call waited (`model_limit.waited`).
 - `tally` (a plain task) adds up the usage the calls reported.
 
@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from prefect import Task, flow, get_run_logger, task, unmapped
+from prefect.context import FlowRunContext
 
 from aisched_prefect import ai_task, report_usage, task_logger
 from flows.common import LLM_MODEL, ensure_example_blocks, example_runner
@@ -97,7 +98,7 @@ def llm_pipeline(prompts: list[str] | None = None, model: str = LLM_MODEL, max_o
     final = model_call(model, est_tokens_per_call * 2, "summarize")(summary_prompt(answers), model, max_output_tokens)
     result = tally(answers, final)
     log.info("%d calls to %s used %d tokens", result["usage"]["calls"], model, result["usage"]["tokens"])
-    return result
+    return {**result, "flow_run_id": str(FlowRunContext.get().flow_run.id)}
 
 
 if __name__ == "__main__":

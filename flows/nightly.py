@@ -23,20 +23,20 @@ from aisched_prefect import (
     Ledger,
     ai_task,
     current_devices,
+    current_worker,
     evidence_rows,
     run_subprocess,
     task_logger,
 )
+from aisched_prefect.report import MONEY_NOTE, for_display
 from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, BudgetLimit, Grant
 
 DECLARED = os.environ.get("DASK_GPU_DECLARED", "2 workers x 2 GPUs, 80 GB, H100")
 
 
 def where() -> dict:
-    """What this task holds, as the task itself sees it."""
-    from distributed import get_worker
-
-    return {"worker": get_worker().address, "devices": [d.index for d in current_devices()]}
+    """What this task holds, as the task itself sees it (it runs in its own process on its worker)."""
+    return {"worker": current_worker(), "devices": [d.index for d in current_devices()], "pid": os.getpid()}
 
 
 @task
@@ -87,12 +87,12 @@ def nightly(n_shards: int = 4) -> str:
 def save_demo_blocks() -> None:
     """The operator's side: what a person would set up once in the Prefect UI."""
     AuthorityBlock(grants=[
-        Grant(id="team-a-root", principal="team-a/*", kinds=["training", "inference"],
+        Grant(id="team-a-root", principal="group:team-a", kinds=["training", "inference"],
               gpu_types=["H100"], max_gpus=4, max_cost_per_run=5.0),
-    ]).save("team-a", overwrite=True)
+    ], groups={"team-a": ["team-a/nightly"]}).save("team-a", overwrite=True)
     BudgetBlock(limit=100.0, period="monthly", gpu_hour_prices={"H100": 4.0}, limits=[
-        BudgetLimit(name="team-a", scope="tenant", match="team-a", amount=50.0),
-        BudgetLimit(name="nightly", scope="flow", match="nightly-*", amount=20.0, parent="team-a"),
+        BudgetLimit(name="tenant", scope="tenant", match="team-a", amount=50.0),
+        BudgetLimit(name="nightly", scope="flow", match="nightly-*", amount=20.0, parent="tenant"),
         BudgetLimit(name="h100-hours", unit="gpu-hours", scope="gpu-type", match="H100", amount=10.0,
                     period="weekly", window="rolling"),
     ]).save("team-a", overwrite=True)
@@ -104,15 +104,16 @@ def save_demo_blocks() -> None:
 
 def print_evidence(flow_run_id: str) -> None:
     ledger = Ledger()
-    rows = evidence_rows(ledger.records(flow_run_id))
+    rows = [for_display(r) for r in evidence_rows(ledger.records(flow_run_id))]
     table = Table(title=f"Evidence of flow run {flow_run_id}")
     columns = ["task", "request", "grant", "worker", "devices", "reserved", "charged", "decision"]
     for c in columns:
         table.add_column(c)
     for r in rows:
-        table.add_row(*("" if r[c] is None else str(r[c]) for c in columns))
+        table.add_row(*(r[c] for c in columns))
     console = Console(width=200)
     console.print(table)
+    console.print(MONEY_NOTE)
     report = ledger.verify()
     console.print(f"evidence chain: {'intact' if report.ok else 'BROKEN'} ({report.records} records) in {ledger.url}")
     for account in ledger.accounts():

@@ -11,8 +11,10 @@ What it shows:
 - `evaluate` takes half a GPU (`gpus=0.5`), reads the checkpoint and scores it,
   calling `dask_gpu.checkpoint()` so it can be stopped between batches.
 - `promote_to_registry` is `kind="promotion"`; the example approval policy asks a person for every
-  run of that kind. Against a Prefect server the flow run pauses with a form in the
-  Prefect UI (or answer it with `aisched approve ID --as alice --reason ...`); run from
+  run of that kind. Against a Prefect server the flow run pauses; its form in the Prefect
+  UI links the control plane's approval page, where alice signs in with her approver
+  credential (or she answers `aisched approve ID --reason ...` with it, or signs with
+  `--key`); an answer typed into the Prefect form itself is not counted. Run from
   its deployment (`make demo-server`, prefect.yaml) it is *suspended* instead: the
   process exits, nothing stays held, and it re-runs on its worker when answered. Only
   `alice` holds a grant with `can_approve`. A rejection, or silence for 12 hours,
@@ -46,7 +48,7 @@ from typing import Any
 from prefect import Task, flow, get_run_logger, task
 from prefect.context import FlowRunContext
 
-from aisched_prefect import AdmissionDenied, ai_task, current_devices, run_subprocess, task_logger
+from aisched_prefect import AdmissionDenied, ai_task, current_devices, current_worker, run_subprocess, task_logger
 from dask_gpu import checkpoint
 from flows.common import ensure_example_blocks, example_runner, examples_home
 
@@ -58,9 +60,7 @@ SECONDS_PER_EPOCH = 60  # what the budget hold assumes; the fake epochs take 0.2
 
 def _where() -> dict[str, Any]:
     """The worker and devices this AI task holds, as the task itself sees them."""
-    from distributed import get_worker
-
-    return {"worker": str(get_worker().name), "devices": [d.key for d in current_devices()]}
+    return {"worker": current_worker(), "devices": [d.key for d in current_devices()]}
 
 
 @task

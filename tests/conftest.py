@@ -26,24 +26,64 @@ def prefect_api():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=60):
+    # Each xdist worker starts its own server, all at once on a 2-core machine: give start-up room.
+    with prefect_test_harness(server_startup_timeout=180):
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
 
 
 @pytest.fixture(scope="session")
-def gpu_cluster():
+def plane_home(tmp_path_factory):
+    """The test control plane's home: its signing key exists before the cluster, whose workers trust it."""
+    from aisched_prefect.control.service import load_or_make_key
+
+    home = tmp_path_factory.mktemp("control-plane")
+    load_or_make_key(home / "control.key")
+    return home
+
+
+@pytest.fixture(scope="session")
+def plane_public_key(plane_home) -> str:
+    from aisched_prefect.control.service import load_or_make_key
+    from dask_gpu.tickets import TicketSigner
+
+    return TicketSigner(load_or_make_key(plane_home / "control.key")).public_key.hex()
+
+
+@pytest.fixture(scope="session")
+def cluster_tls(plane_home):
+    """The session cluster's TLS files: only the control plane (and this test harness, its operator) hold a client cert."""
+    from dask_gpu.security import ClusterTLS
+
+    return ClusterTLS.create(plane_home / "tls")
+
+
+@pytest.fixture(scope="session")
+def gpu_cluster(plane_public_key, cluster_tls):
     from dask_gpu import LocalGPUCluster
 
-    with LocalGPUCluster(declared=CLUSTER_SPEC) as cluster:
+    with LocalGPUCluster(declared=CLUSTER_SPEC, trusted_keys=[plane_public_key], tls=cluster_tls) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="session")
-def dask_client(gpu_cluster):
+def control_plane(prefect_api, gpu_cluster, plane_home, dask_client):
+    """One real control plane (`aisched serve`, its own process) on the session's cluster; tests take slices of it.
+
+    It starts once every worker registered (`dask_client` waits for them): a first admission never meets "no workers".
+    """
+    from tests.controlplane import ControlPlaneProcess
+
+    plane = ControlPlaneProcess(plane_home, dask_address=gpu_cluster.scheduler_address, dask_tls=plane_home / "tls").start()
+    yield plane
+    plane.stop()
+
+
+@pytest.fixture(scope="session")
+def dask_client(gpu_cluster, cluster_tls):
     from distributed import Client
 
-    with Client(gpu_cluster, set_as_default=False) as client:
+    with Client(gpu_cluster.scheduler_address, set_as_default=False, security=cluster_tls.security("client")) as client:
         client.wait_for_workers(3, timeout=60)
         yield client
 

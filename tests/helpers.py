@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from aisched_prefect import AISchedTaskRunner
 from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, Grant
 
-
+PRINCIPAL = "team-a/nightly"
 APPROVERS = [Grant(id=f"{name}-approves", principal=name, kinds=["training"], max_gpus=8, max_cost_per_run=100.0,
                    can_approve=True) for name in ("alice", "bob")]
 
 
 def authority(**grant: Any) -> AuthorityBlock:
-    """team-a's root grant (overridable), plus two people who may approve training runs."""
-    fields = {"id": "team-a-root", "principal": "team-a/*", "max_gpus": 4, "max_cost_per_run": 10.0}
+    """team-a/nightly's root grant (overridable), plus two people who may approve training runs."""
+    fields = {"id": "team-a-root", "principal": PRINCIPAL, "max_gpus": 4, "max_cost_per_run": 10.0}
     return AuthorityBlock(grants=[Grant(**{**fields, **grant}), *APPROVERS])
 
 
@@ -22,18 +21,15 @@ def budget(limit: float = 100.0) -> BudgetBlock:
     return BudgetBlock(limit=limit, gpu_hour_prices={"H100": 4.0, "A10": 1.0}, token_prices_per_1k={"*": 0.01})
 
 
-def runner(address: str, ledger_url: str, **kw: Any) -> AISchedTaskRunner:
-    options: dict[str, Any] = {
-        "principal": "team-a/nightly", "authority": authority(), "budget": budget(),
-        "address": address, "ledger_url": ledger_url,
-    }
-    options.update(kw)
-    return AISchedTaskRunner(**options)
-
-
 def ask_for_training(timeout: int = 60) -> ApprovalPolicyBlock:
     return ApprovalPolicyBlock(rules=[ApprovalRule(name="training-needs-a-person", kinds=["training"])],
                                timeout_seconds=timeout)
+
+
+def tenant(plane: Any, *, authority_: AuthorityBlock | None = None, budget_: BudgetBlock | None = None,
+           policy: ApprovalPolicyBlock | None = None, cluster: Any = None, principal: str = PRINCIPAL) -> Any:
+    """A slice of the shared control plane for one test: its blocks applied, its flow's credential issued."""
+    return plane.tenant(authority_ or authority(), budget_ or budget(), policy, cluster, principal=principal)
 
 
 def resume_when_paused(answer: dict[str, Any], *, flow_name: str | None = None, flow_run_name: str | None = None,

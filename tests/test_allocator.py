@@ -9,7 +9,7 @@ from dask_gpu.inventory import declared_worker_inventories
 
 
 def test_disjoint_devices_under_threads():
-    alloc = DeviceAllocator(declared_worker_inventories("4 H100 80GB")[0].devices)
+    alloc = DeviceAllocator(declared_worker_inventories("4 GPUs, 80 GB, H100")[0].devices)
     held_now: dict[int, str] = {}
     violations = []
     lock = threading.Lock()
@@ -38,7 +38,7 @@ def test_disjoint_devices_under_threads():
 
 
 def test_acquire_is_all_or_nothing_and_times_out():
-    alloc = DeviceAllocator(declared_worker_inventories("2 H100 80GB")[0].devices)
+    alloc = DeviceAllocator(declared_worker_inventories("2 GPUs, 80 GB, H100")[0].devices)
     alloc.acquire("a", GPURequest(gpus=1))
     with pytest.raises(DeviceUnavailable, match="no gpus=2 free"):
         alloc.acquire("b", GPURequest(gpus=2), timeout=0.2)

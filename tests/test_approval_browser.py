@@ -1,12 +1,15 @@
-"""A person approves a paused run in the Prefect UI, in a real (headless) Chromium.
+"""A person approves a paused run from the Prefect UI, in a real (headless) Chromium.
 
-Starts `prefect server start` on 127.0.0.1, runs a flow that pauses for
-approval in its own process, opens the flow run's page, clicks *Resume*,
-fills the typed form as a person would, submits, and checks that the flow
-continues and the evidence records the approver. Needs Debian's chromium and
-the `playwright` package (`.ci/run` installs both); skipped elsewhere unless
-AISCHED_REQUIRE_BROWSER=1. AISCHED_SCREENSHOTS=DIR keeps the form's screenshot
-(the README's picture comes from here).
+Starts `prefect server start` on 127.0.0.1 and runs a flow that pauses for
+approval in its own process, as `python nightly_finetune.py` would, against
+the session's control plane. The browser opens the flow run's page in the
+Prefect UI, clicks *Resume*, follows the form's link to the control plane's
+approval page, signs in there with the approver's credential and clicks
+*Approve*; the flow run completes, and the evidence names the approver as the
+control plane identified them. Needs Debian's chromium and the `playwright`
+package (`.ci/run` installs both); skipped elsewhere unless
+AISCHED_REQUIRE_BROWSER=1. AISCHED_SCREENSHOTS=DIR keeps the screenshots (the
+README's pictures in docs/ come from here).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aisched_prefect import Ledger
+from tests.approval_helpers import decision
+from tests.helpers import ask_for_training, tenant
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ROOT = Path(__file__).parent.parent
@@ -47,26 +51,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _paused_run(api: str, name: str, deadline: float) -> str:
-    while time.time() < deadline:
+def _paused_run(api: str, name: str, deadline: float, run: subprocess.Popen) -> str:
+    while time.time() < deadline and run.poll() is None:
         runs = httpx.post(f"{api}/flow_runs/filter", json={"flows": {"name": {"any_": [name]}}}).json()
         if runs and runs[0]["state"]["type"] == "PAUSED":
             return runs[0]["id"]
         time.sleep(0.3)
-    raise AssertionError("timed out")
+    run.kill()
+    raise AssertionError(f"the flow run never paused for approval; its output:\n{run.communicate()[0]}")
 
 
 FLOW = '''
 import json, sys
 from prefect import flow
-from aisched_prefect import AdmissionDenied, ai_task
-from tests.helpers import ask_for_training, runner
+from aisched_prefect import AdmissionDenied, AISchedTaskRunner, ai_task
 
 @ai_task(gpus=1, gpu_type="H100", kind="training", model="llama-8b", est_seconds=1800)
 def finetune():
     return "trained"
 
-@flow(name=sys.argv[3], task_runner=runner(sys.argv[1], sys.argv[2], approval_policy=ask_for_training(120)))
+# The control plane's address and this flow's credential come from AISCHED_CONTROL_PLANE and AISCHED_TOKEN.
+@flow(name=sys.argv[1], task_runner=AISchedTaskRunner())
 def nightly_finetune():
     try:
         return finetune()
@@ -77,15 +82,17 @@ print("RESULT " + json.dumps(nightly_finetune()))
 '''
 
 
-def test_a_person_approves_in_the_prefect_ui(gpu_cluster, sqlite_url, tmp_path):
+def test_a_person_approves_from_the_prefect_ui_on_the_control_planes_page(control_plane, tmp_path):
     _browser_or_skip()
     from playwright.sync_api import sync_playwright
 
+    t = tenant(control_plane, policy=ask_for_training(300))
+    alice = control_plane.approver("alice", t.authority)
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
            "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT), "AISCHED_CONTROL_PLANE": control_plane.url, "AISCHED_TOKEN": t.token}
     env.pop("PREFECT_API_KEY", None)
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -102,29 +109,39 @@ def test_a_person_approves_in_the_prefect_ui(gpu_cluster, sqlite_url, tmp_path):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        run = subprocess.Popen([sys.executable, str(script), gpu_cluster.scheduler_address, sqlite_url, name],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            flow_run_id = _paused_run(api, name, time.time() + 120)
-        except AssertionError:
-            run.kill()
-            raise AssertionError(f"the flow run never paused for approval; its output:\n{run.communicate()[0]}") from None
+        run = subprocess.Popen([sys.executable, str(script), name], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+        flow_run_id = _paused_run(api, name, time.time() + 120, run)
         shots = Path(os.environ.get("AISCHED_SCREENSHOTS") or tmp_path)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1300, "height": 1050})
+            context = browser.new_context(viewport={"width": 1300, "height": 1050})
+            page = context.new_page()
             page.goto(f"http://127.0.0.1:{port}/runs/flow-run/{flow_run_id}")
             page.get_by_role("button", name="Resume").click()
             dialog = page.get_by_role("dialog")
             dialog.get_by_text("Approve AI task").wait_for(timeout=30_000)
-            toggle = dialog.locator("input[type=checkbox]").first
-            toggle.locator("xpath=..").click()  # the switch a person clicks; the checkbox itself is hidden
-            assert toggle.is_checked()
-            fields = dialog.locator("textarea")
-            fields.nth(0).fill("alice")
-            fields.nth(1).fill("eval numbers look right; go")
+            link = dialog.locator(f"a[href*='{control_plane.url}/approve/']").first
+            link.wait_for(timeout=30_000)
             dialog.screenshot(path=str(shots / "approval-form.png"))
-            dialog.get_by_role("button", name="Submit").click()
+            href = link.get_attribute("href")
+            assert href and href.startswith(f"{control_plane.url}/approve/"), href
+            # Follow the link as a person does (the UI may open it in a new tab).
+            with context.expect_page(timeout=10_000) as opened:
+                link.click()
+            approve_page = opened.value
+            approve_page.wait_for_load_state()
+            assert approve_page.url == href
+            approve_page.get_by_text("Approve AI task finetune?").wait_for(timeout=10_000)
+            approve_page.get_by_label("Your approver credential").fill(alice)
+            approve_page.get_by_label("Reason").fill("eval numbers look right; go")
+            approve_page.screenshot(path=str(shots / "approval-page.png"), full_page=True)
+            approve_page.get_by_role("button", name="Approve").click()
+            approve_page.get_by_text("Recorded: alice approved.").wait_for(timeout=10_000)
+            assert "Approve" not in [b.inner_text() for b in approve_page.get_by_role("button").all()]  # decided
+            approve_page.close()
+            page.bring_to_front()
+            dialog.get_by_role("button", name="Close").click()  # nothing to submit in Prefect's form
             page.get_by_text("Completed").first.wait_for(timeout=120_000)
             page.screenshot(path=str(shots / "approved-run.png"))
             browser.close()
@@ -135,7 +152,9 @@ def test_a_person_approves_in_the_prefect_ui(gpu_cluster, sqlite_url, tmp_path):
         server.terminate()
         server.wait(timeout=30)
     assert 'RESULT "trained"' in out, out
-    approval = [r for r in Ledger(sqlite_url).records() if r.kind == "approval"][-1].payload
-    assert approval["approver"] == "alice" and approval["approved"] is True and approval["channel"] == "prefect-pause"
-    assert approval["reason"] == "eval numbers look right; go" and approval["verified"] is False
-    assert approval["approver_chains"] == {"alice": ["alice-approves"]}
+    d = decision(control_plane.records(flow_run_id))
+    assert d["approver"] == "alice" and d["approved"] is True and d["channel"] == "credential"
+    assert d["reason"] == "eval numbers look right; go" and d["verified"] is True
+    assert d["approver_chains"] == {"alice": ["alice-approves"]}
+    kinds = [r.kind for r in control_plane.records(flow_run_id)]
+    assert kinds == ["approval-requested", "approval", "approval-consumed", "admission", "settlement"]

@@ -78,7 +78,7 @@ FACTS = RunFacts(principal="team-a/nightly", kind="training", gpus=2, gpu_types=
 
 
 def test_grant_covers_and_refuses_by_dimension():
-    g = Grant(id="g", principal="team-a/*", kinds=["training"], gpu_types=["H100"], max_gpus=2, max_cost_per_run=10)
+    g = Grant(id="g", principal="team-a/nightly", kinds=["training"], gpu_types=["H100"], max_gpus=2, max_cost_per_run=10)
     assert g.refusal(FACTS) is None
     assert "max_gpus=2" in g.refusal(FACTS.model_copy(update={"gpus": 4}))
     assert "max_cost_per_run" in g.refusal(FACTS.model_copy(update={"est_cost": 11}))
@@ -87,7 +87,7 @@ def test_grant_covers_and_refuses_by_dimension():
     assert "revoked" in g.model_copy(update={"revoked": True}).refusal(FACTS)
     past = datetime.now(timezone.utc) - timedelta(seconds=1)
     assert "expired" in g.model_copy(update={"expires_at": past}).refusal(FACTS)
-    assert not g.covers_principal("team-b/nightly")
+    assert g.held_by("team-a/nightly", {}) and not g.held_by("team-b/nightly", {})
 
 
 def test_budget_prices_and_refuses_what_it_cannot_price():

@@ -50,3 +50,67 @@ def test_budget_show_and_history(sqlite_url):
     assert ("t-lost", "org", "expired", 2.0) in got and ("t-done", "org", "posted", 1.5) in got
     one = runner.invoke(app, ["budget", "history", "--ledger", sqlite_url, "--task-run", "t-done"])
     assert one.exit_code == 0 and "t-done" in one.stdout and "t-lost" not in one.stdout
+
+
+def test_keys_are_private_and_never_replaced_silently(tmp_path):
+    import os
+    import stat
+
+    for group in ("approvals",):  # checkpoints are signed with the control plane's own key: no other keygen
+        key = tmp_path / f"{group}.pem"
+        first = runner.invoke(app, [group, "keygen", "--out", str(key)])
+        assert first.exit_code == 0, first.output
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+        before = key.read_bytes()
+        again = runner.invoke(app, [group, "keygen", "--out", str(key)])
+        assert again.exit_code == 1 and "already exists" in again.output and "--force" in again.output
+        assert key.read_bytes() == before
+        forced = runner.invoke(app, [group, "keygen", "--out", str(key), "--force"])
+        assert forced.exit_code == 0 and key.read_bytes() != before
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+
+
+def test_verify_against_a_published_checkpoint_fails_where_none_was_published(sqlite_url, tmp_path):
+    ledger = Ledger(sqlite_url)
+    ledger.record("note", {"x": 1})
+    empty = tmp_path / "checkpoints"
+    empty.mkdir()
+    missing = runner.invoke(app, ["evidence", "verify", "--ledger", sqlite_url, "--checkpoint", str(empty),
+                                  "--public-key", "00" * 32])
+    assert missing.exit_code == 1 and "none was found" in missing.stdout
+
+
+def test_operator_commands_name_the_setting_when_no_control_plane_is_configured(monkeypatch):
+    monkeypatch.delenv("AISCHED_CONTROL_PLANE", raising=False)
+    out = runner.invoke(app, ["credentials", "issue", "team-a/nightly"])
+    assert out.exit_code == 1 and "AISCHED_CONTROL_PLANE" in out.output and "Traceback" not in out.output
+
+
+def test_operator_issues_applies_and_delegates_through_the_control_plane(control_plane, tmp_path, monkeypatch):
+    """What an operator types: credentials, apply from Prefect blocks, and a holder's delegation."""
+    import uuid
+
+    from tests.helpers import authority, budget
+
+    name = f"cli-{uuid.uuid4().hex[:6]}"
+    authority(can_delegate=True).save(name, overwrite=True)
+    budget().save(name, overwrite=True)
+    monkeypatch.setenv("AISCHED_CONTROL_PLANE", control_plane.url)
+    monkeypatch.setenv("AISCHED_OPERATOR_TOKEN", control_plane.operator_token)
+    applied = runner.invoke(app, ["apply", "--authority", name, "--budget", name])
+    assert applied.exit_code == 0 and "applied authority" in applied.output and "version 1" in applied.output, applied.output
+    again = runner.invoke(app, ["apply", "--authority", name])
+    assert "version 1" in again.output  # the same content is not a new version
+    token_file = tmp_path / "flow.token"
+    issued = runner.invoke(app, ["credentials", "issue", "team-a/nightly", "--authority", name, "--budget", name,
+                                 "--out", str(token_file)])
+    assert issued.exit_code == 0 and token_file.read_text().startswith("ais_")
+    # The holder of team-a-root delegates a narrower grant with its own credential; a wider one is refused.
+    ok = runner.invoke(app, ["grants", "delegate", "team-a-root", "--id", f"{name}-child", "--to", "team-a/child",
+                             "--max-gpus", "1", "--token-file", str(token_file)])
+    assert ok.exit_code == 0, ok.output
+    from aisched_prefect.client import ControlPlaneError
+
+    wider = runner.invoke(app, ["grants", "delegate", "team-a-root", "--id", f"{name}-wide", "--to", "team-a/child",
+                                "--max-gpus", "64", "--token-file", str(token_file)])
+    assert isinstance(wider.exception, ControlPlaneError) and "max_gpus" in str(wider.exception)

@@ -52,7 +52,7 @@ def test_gpu_type_and_count_are_honoured(dask_client):
 def test_infeasible_request_fails_fast(dask_client):
     t0 = time.perf_counter()
     with pytest.raises(InfeasibleRequest, match="largest worker .* has 2 x H100 80 GB"):
-        eligible_workers(GPURequest(gpus=4), cluster_inventories(dask_client))
+        eligible_workers(GPURequest(gpus=6), cluster_inventories(dask_client))  # 5 GPUs in all: not even a gang
     with pytest.raises(InfeasibleRequest, match="gpu_memory_gb=100"):
         eligible_workers(GPURequest(gpus=1, gpu_memory_gb=100), cluster_inventories(dask_client))
     assert time.perf_counter() - t0 < 5

@@ -4,8 +4,9 @@ Starts what `make demo-server` starts (a `prefect server start` on a free
 127.0.0.1 port, the `aisched-local` process pool, `prefect deploy --all` from
 prefect.yaml, a worker), runs the nightly training deployment, and checks
 that its promotion step suspends the run (no process left, no budget held),
-that `aisched approve` resumes it through the API, and that the resumed run
-completes without running or charging anything twice.
+that alice's `aisched approve` at the control plane resumes it, and that the
+resumed run completes without running or charging anything twice. One server
+(and control plane, and worker) serves both tests.
 """
 
 from __future__ import annotations
@@ -48,15 +49,16 @@ def _processes_of(flow_run_id: str) -> list[int]:
 
 
 def _aisched(demo: DemoServer, *args: str) -> str:
-    done = subprocess.run([str(Path(sys.executable).with_name("aisched")), *args], env=demo.env(), text=True,
-                          capture_output=True, timeout=120)
+    """The CLI as alice runs it: her approver credential, the demo's control plane."""
+    done = subprocess.run([str(Path(sys.executable).with_name("aisched")), *args, "--token-file",
+                           str(demo.home / "alice.token")], env=demo.env(), text=True, capture_output=True, timeout=120)
     assert done.returncode == 0, f"aisched {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 
-@pytest.fixture
-def demo(tmp_path):
-    server = DemoServer(tmp_path / "aisched", _free_port())
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    server = DemoServer(tmp_path_factory.mktemp("deploy") / "aisched", _free_port())
     try:
         server.start()
         yield server
@@ -77,18 +79,18 @@ def test_nightly_deployment_suspends_for_approval_and_resumes_on_its_worker(demo
         time.sleep(0.5)
     assert not _processes_of(flow_run), "a suspended run must not keep a process"
     assert demo.state(flow_run)[1] == "Suspended"
-    suspended = [r for r in ledger.records() if r.kind == "approval-suspended"]
+    suspended = [r for r in ledger.records(flow_run) if r.kind == "approval-suspended"]
     assert [r.payload["task"] for r in suspended] == ["promote_to_registry"]
     assert all(a["pending"] == 0 for a in ledger.accounts()), "a suspended run holds no budget"
     charged_before = {(a["budget"], a["period"]): a["posted"] for a in ledger.accounts()}
 
     waiting = [json.loads(line) for line in _aisched(demo, "approvals", "list", "--json").splitlines()]
-    assert [w["task"] for w in waiting] == ["promote_to_registry"]
-    _aisched(demo, "approve", waiting[0]["task_run_id"][:8], "--as", "alice", "--reason", "eval looks right")
+    assert [w["task_name"] for w in waiting] == ["promote_to_registry"] and waiting[0]["status"] == "suspended"
+    _aisched(demo, "approve", waiting[0]["id"], "--reason", "eval looks right")
 
     kind, name = demo.wait(flow_run, {"Completed"}, timeout=300)
     assert kind == "COMPLETED", f"resumed run ended {name}:\n{(demo.home / 'worker.log').read_text()[-4000:]}"
-    records = ledger.records()
+    records = ledger.records(flow_run)
     assert not _aisched(demo, "approvals", "list", "--json").strip(), "nothing waits any more"
 
     # Each AI task call was admitted and charged exactly once: train and evaluate (completed before the
@@ -116,16 +118,22 @@ def test_nightly_deployment_suspends_for_approval_and_resumes_on_its_worker(demo
     assert ledger.verify().ok
 
 
+def _registry(demo: DemoServer) -> dict[str, bytes]:
+    root = demo.home / "examples" / "registry"
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+
 def test_a_rejected_suspended_run_resumes_without_its_promotion_and_charges_nothing_for_it(demo):
+    registry_before = _registry(demo)  # the module's first test promoted a model: this run must not touch it
     flow_run = demo.run(NIGHTLY)
     assert demo.wait(flow_run, {"Suspended"}, timeout=300)[1] == "Suspended"
     ledger = Ledger(f"sqlite:///{demo.home / 'ledger.db'}")
     (waiting,) = [json.loads(line) for line in _aisched(demo, "approvals", "list", "--json").splitlines()]
-    _aisched(demo, "reject", waiting["task_run_id"][:8], "--as", "alice", "--reason", "eval regressed")
+    _aisched(demo, "reject", waiting["id"], "--reason", "eval regressed")
 
     kind, name = demo.wait(flow_run, {"Completed"}, timeout=300)
     assert kind == "COMPLETED", f"resumed run ended {name}:\n{(demo.home / 'worker.log').read_text()[-4000:]}"
-    records = ledger.records()
+    records = ledger.records(flow_run)
     decision = [r.payload for r in records if r.kind == "approval"]
     assert len(decision) == 1 and decision[0]["approved"] is False and decision[0]["approver"] == "alice"
     assert "eval regressed" in decision[0]["reason"]
@@ -133,5 +141,5 @@ def test_a_rejected_suspended_run_resumes_without_its_promotion_and_charges_noth
     assert not [r for r in promotion if r.kind in ("admission", "settlement")], "a rejected promotion never runs"
     holds = [h for h in ledger.history(limit=1000) if h["task_run_id"] in {r.task_run_id for r in promotion}]
     assert holds and {h["status"] for h in holds} == {"voided"} and all(not h["charged"] for h in holds)
-    assert not (demo.home / "examples" / "registry").exists() or not any((demo.home / "examples" / "registry").iterdir())
+    assert _registry(demo) == registry_before, "a rejected promotion writes nothing to the registry"
     assert ledger.verify().ok

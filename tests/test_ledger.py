@@ -149,20 +149,23 @@ def test_signed_checkpoints_catch_a_clean_truncation(ledger_url, tmp_path):
 
     from aisched_prefect.cli import app
 
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
     cli = CliRunner()
-    key = str(tmp_path / "evidence.key")
-    assert cli.invoke(app, ["evidence", "keygen", "--out", key]).exit_code == 0
+    signer = Ed25519PrivateKey.generate()  # the control plane's key signs checkpoints (POST /v1/checkpoints)
+    public = signer.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
     ledger = Ledger(ledger_url)
     for i in range(4):
         ledger.record("admission", {"i": i}, **IDS)
-    assert cli.invoke(app, ["evidence", "checkpoint", "--key", key, "--ledger", ledger_url]).exit_code == 0
-    ok = cli.invoke(app, ["evidence", "verify", "--public-key", key + ".pub", "--ledger", ledger_url])
+    ledger.checkpoint(signer)
+    ok = cli.invoke(app, ["evidence", "verify", "--public-key", public, "--ledger", ledger_url])
     assert ok.exit_code == 0 and "intact" in ok.stdout
     third = ledger.records()[2]
     _tamper(ledger, "DELETE FROM aisched_evidence WHERE seq = 4")
     _tamper(ledger, f"UPDATE aisched_chain_head SET seq = 3, hash = '{third.hash}'")
     assert ledger.verify().ok  # a clean truncation: invisible to the chain alone
-    caught = cli.invoke(app, ["evidence", "verify", "--public-key", key + ".pub", "--ledger", ledger_url])
+    caught = cli.invoke(app, ["evidence", "verify", "--public-key", public, "--ledger", ledger_url])
     assert caught.exit_code == 1 and "past the end of the log: truncated" in caught.stdout
 
 

@@ -151,3 +151,44 @@ def test_a_version_3_ledger_is_migrated_in_place_keeping_its_books(ledger_url):
     assert s.first and ledger.account("org", "2026-11")["posted"] == 2.5
     assert ledger.expire_holds() == []  # a hold from before leases never expires on its own
     Ledger(ledger_url)  # reopening a migrated ledger changes nothing
+
+
+V5 = [
+    "CREATE TABLE aisched_schema (version INTEGER NOT NULL)",
+    "CREATE TABLE aisched_budget_accounts (budget VARCHAR(200) NOT NULL, period VARCHAR(32) NOT NULL, "
+    "limit_micros BIGINT NOT NULL, pending_micros BIGINT NOT NULL, posted_micros BIGINT NOT NULL, "
+    "unit VARCHAR(16) NOT NULL DEFAULT 'money', alerted INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (budget, period))",
+    "CREATE TABLE aisched_holds (id VARCHAR(36) NOT NULL PRIMARY KEY, budget VARCHAR(200) NOT NULL, period VARCHAR(32) NOT NULL, "
+    "flow_run_id VARCHAR(64), task_run_id VARCHAR(64), principal VARCHAR(200), reserved_micros BIGINT NOT NULL, "
+    "charged_micros BIGINT, status VARCHAR(16) NOT NULL, created_at FLOAT NOT NULL, settled_at FLOAT, "
+    "unit VARCHAR(16) NOT NULL DEFAULT 'money', lease_until FLOAT)",
+    "CREATE TABLE aisched_chain_head (id INTEGER NOT NULL PRIMARY KEY, seq BIGINT NOT NULL, hash VARCHAR(64) NOT NULL)",
+    "INSERT INTO aisched_schema VALUES (5)",
+    f"INSERT INTO aisched_chain_head VALUES (1, 0, '{'0' * 64}')",
+    "INSERT INTO aisched_budget_accounts VALUES ('team', '2026-11', 5000000, 1500000, 0, 'money', 0)",
+    "INSERT INTO aisched_budget_accounts VALUES ('team/a', '2026-11', 3000000, 1500000, 0, 'money', 0)",
+    # one run's reservation on both accounts (one task run, one instant), and another run's, both pending
+    "INSERT INTO aisched_holds VALUES ('h-team', 'team', '2026-11', 'f', 't1', 'p', 1000000, NULL, 'pending', 100.0, NULL, 'money', 4e9)",
+    "INSERT INTO aisched_holds VALUES ('h-a', 'team/a', '2026-11', 'f', 't1', 'p', 1000000, NULL, 'pending', 100.0, NULL, 'money', 4e9)",
+    "INSERT INTO aisched_holds VALUES ('h2-team', 'team', '2026-11', 'f', 't2', 'p', 500000, NULL, 'pending', 101.0, NULL, 'money', 4e9)",
+    "INSERT INTO aisched_holds VALUES ('h2-a', 'team/a', '2026-11', 'f', 't2', 'p', 500000, NULL, 'pending', 101.0, NULL, 'money', 4e9)",
+]
+
+
+def test_a_version_5_ledger_keeps_each_reservations_pending_holds_together(ledger_url):
+    engine = sa.create_engine(ledger_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    with engine.begin() as conn:
+        for statement in V5:
+            conn.exec_driver_sql(statement)
+    engine.dispose()
+    ledger = Ledger(ledger_url)
+    groups = {h["hold"]: h["group"] for h in ledger.history()}
+    assert groups["h-team"] == groups["h-a"] != groups["h2-team"] == groups["h2-a"]
+    out, _ = ledger.settle(["h-a"], 0.25, kind="settlement", payload={}, **IDS)  # settles the run's hold on team too
+    assert sorted((s.hold_id, s.charged) for s in out) == [("h-a", 0.25), ("h-team", 0.25)]
+    with ledger.engine.begin() as conn:  # the other run's process died long ago
+        conn.exec_driver_sql("UPDATE aisched_holds SET lease_until = 1.0 WHERE id IN ('h2-team', 'h2-a')")
+    assert sorted(ledger.expire_holds()) == ["h2-a", "h2-team"]
+    assert ledger.account("team", P)["posted"] == ledger.account("team/a", P)["posted"] == 0.75
+    with ledger.engine.connect() as conn:
+        assert conn.execute(sa.select(schema_version.c.version)).scalar() == SCHEMA_VERSION

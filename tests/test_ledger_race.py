@@ -1,4 +1,5 @@
-"""Budgets cannot be overspent: 8 processes x 16 threads race for a small budget, some killed with SIGKILL.
+"""Budgets cannot be overspent: 8 processes x 16 threads race for a small budget (each process renewing its
+holds while they settle), some killed with SIGKILL.
 
 At every moment the test observes, and afterwards, posted + pending <= limit on
 every account; every hold ends posted, voided or expired; each account's books
@@ -25,7 +26,11 @@ from aisched_prefect.ledger import holds
 from blocks import BudgetLine
 
 CLIENT = Path(__file__).with_name("ledger_race_client.py")
-PROCESSES, THREADS, SECONDS, LEASE = 8, 16, 4.0, 2.0
+PROCESSES, THREADS, SECONDS = 8, 16, 4.0
+# Half the threads hold for 1 s: their abandoned holds run out and expire during the race (lazily, when a
+# reservation needs the room). The other half hold for longer than the race: what they and the killed
+# processes abandon is still pending when the race ends, and expires in the sweep after it.
+LEASES = (1.0, SECONDS + 1.0)
 KILLED = (2, 5)  # these processes get SIGKILL half-way, holds and all
 PERIOD = "2026-11"
 
@@ -67,9 +72,15 @@ def _check_books(ledger: Ledger) -> dict[str, float]:
 def test_racing_processes_never_overspend(ledger_url):
     ledger = Ledger(ledger_url)  # creates the schema before the clients race for it
     env = {**os.environ, "PYTHONPATH": str(CLIENT.parent.parent)}
-    procs = [subprocess.Popen([sys.executable, str(CLIENT), ledger_url, str(i), str(THREADS), str(SECONDS), str(LEASE),
-                               json.dumps(_lines(i))], stdout=subprocess.PIPE, text=True, env=env)
+    procs = [subprocess.Popen([sys.executable, str(CLIENT), ledger_url, str(i), str(THREADS), str(SECONDS),
+                               ",".join(map(str, LEASES)), json.dumps(_lines(i))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
              for i in range(PROCESSES)]
+    for p in procs:  # a loaded machine imports slowly: the race starts once every client is ready
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     for p in procs:
         assert p.stdout.readline().strip() == "started"
     overspends: list[dict] = []
@@ -105,7 +116,7 @@ def test_racing_processes_never_overspend(ledger_url):
     assert sum(r["reserved"] for r in results) >= 20 and sum(r["refused"] for r in results) > 100  # a real race
     with ledger.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(holds).where(holds.c.status == "pending")).scalar() > 0
-    time.sleep(LEASE + 0.5)  # the killed processes' holds and the abandoned ones run out of lease
+    time.sleep(max(LEASES) + 0.5)  # the killed processes' holds and the abandoned ones run out of lease
     expired = ledger.expire_holds()
     assert expired, "the killed processes' holds should have expired"
     posted = _check_books(ledger)
@@ -113,4 +124,4 @@ def test_racing_processes_never_overspend(ledger_url):
     assert ledger.verify().ok
     print(f"\n[race {ledger.engine.dialect.name}] {samples} samples, 0 overspends, "
           f"{sum(r['reserved'] for r in results)} holds, {sum(r['refused'] for r in results)} refused, "
-          f"{len(expired)} expired")
+          f"{sum(r['renewals'] for r in results)} renewals, {len(expired)} expired")

@@ -1,4 +1,9 @@
-"""Model-call limits: a batch of LLM calls respects a provider's concurrency and rate limits, across flow runs."""
+"""Model-call limits: a batch of LLM calls respects a provider's concurrency and rate limits, across flow runs.
+
+The limits live where the queue lives: the control plane takes a slot for every model call it runs from the
+scheduler's model-limits plugin (dask_gpu.limits), so every flow (and every replica) shares the count, and a
+burst runs at the configured rate (each start its own slot, 60/per_minute apart), without bursts or back-off.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,13 @@ import time
 
 import pytest
 from prefect import flow
+from prefect.context import FlowRunContext
 from pydantic import ValidationError
 
-from aisched_prefect import Ledger, ai_task
+from aisched_prefect import ai_task
 from blocks import ClusterBlock, ModelLimit
 from flows.batch_inference import most_at_once
-from tests.helpers import runner
+from tests.helpers import tenant
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -23,38 +29,150 @@ def call(i):
     return start, time.time()
 
 
-def test_concurrency_limit_caps_calls_in_flight(gpu_cluster, sqlite_url):
-    cluster = ClusterBlock(model_limits=[ModelLimit(model="gpt-*", concurrency=2)])
+def settled(plane, run: str) -> list[dict]:
+    return [r.payload for r in plane.records(run) if r.kind == "settlement"]
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, cluster=cluster, max_workers=8))
+
+def test_concurrency_limit_caps_calls_in_flight(control_plane):
+    t = tenant(control_plane, cluster=ClusterBlock(model_limits=[ModelLimit(model="gpt-*", concurrency=2)]))
+
+    @flow(task_runner=t.runner(max_workers=8))
     def batch():
-        return [f.result() for f in call.map(range(6))]
+        return [f.result() for f in call.map(range(6))], str(FlowRunContext.get().flow_run.id)
 
-    spans = batch()
+    spans, run = batch()
     assert most_at_once(spans) == 2  # never more, and the limit is used
-    waited = [r.payload["model_limit"]["waited"] for r in Ledger(sqlite_url).records() if r.kind == "settlement"]
-    assert len(waited) == 6 and max(waited) > 0.4
+    payloads = settled(control_plane, run)
+    assert len(payloads) == 6 and all(p["outcome"] == "completed" for p in payloads)
+    waited = [p["model_limit"]["waited"] for p in payloads]
+    assert all(p["model_limit"]["limit"] == "gpt-*" for p in payloads) and max(waited) > 0.4
 
 
-def test_rate_limit_spaces_calls(gpu_cluster, sqlite_url):
-    cluster = ClusterBlock(model_limits=[ModelLimit(model="gpt-x", per_minute=120)])  # one every 0.5 s
+def test_concurrency_limit_is_shared_by_two_flow_runs_at_once(control_plane):
+    """Two flows under two tenants' credentials, running at the same time, share one provider limit."""
+    import threading
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, cluster=cluster, max_workers=8))
+    cluster = ClusterBlock(model_limits=[ModelLimit(model="gpt-shared-*", concurrency=2)])
+    tenants = [tenant(control_plane, cluster=cluster) for _ in range(2)]
+
+    @ai_task(kind="model-call", model="gpt-shared-1", est_tokens=100)
+    def shared(i):
+        start = time.time()
+        time.sleep(0.5)
+        return start, time.time()
+
+    spans: list[tuple[float, float]] = []
+
+    def run(t):
+        @flow(task_runner=t.runner(max_workers=4))
+        def batch():
+            return [f.result() for f in shared.map(range(3))]
+
+        spans.extend(batch())
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in tenants]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert len(spans) == 6 and most_at_once(spans) == 2
+
+
+@ai_task(kind="model-call", model="gpt-rate", est_tokens=100)
+def quick(i):
+    start = time.time()
+    time.sleep(0.05)
+    return start, time.time()
+
+
+def test_a_burst_of_calls_runs_at_the_configured_rate(control_plane):
+    """60 calls of a .map() burst at per_minute=120 start 0.5 s apart: their slots exactly, their bodies within 5 %
+    (the whole burst's rate, and no 5 s window with more than 5 % over its share plus one)."""
+    t = tenant(control_plane, cluster=ClusterBlock(model_limits=[ModelLimit(model="gpt-rate", per_minute=120)]))
+
+    @flow(task_runner=t.runner(max_workers=16))
     def batch():
-        return [f.result() for f in call.map(range(5))]
+        return [f.result() for f in quick.map(range(60))], str(FlowRunContext.get().flow_run.id)
 
-    starts = sorted(s for s, _ in batch())
-    assert starts[-1] - starts[0] >= 1.6  # 5 calls at 2 per second: at least 4 gaps of ~0.5 s
+    spans, run = batch()
+    payloads = settled(control_plane, run)
+    assert len(payloads) == 60 and all(p["model_limit"]["limit"] == "gpt-rate" for p in payloads)
+    slots = sorted(p["model_limit"]["slot"] for p in payloads)
+    gaps = [b - a for a, b in zip(slots, slots[1:])]
+    assert min(gaps) == pytest.approx(0.5, abs=0.002) and max(gaps) == pytest.approx(0.5, abs=0.002)
+    starts = sorted(s for s, _ in spans)
+    rate = (len(starts) - 1) / (starts[-1] - starts[0])
+    assert rate == pytest.approx(2.0, rel=0.05), rate
+    most = max(sum(1 for s in starts if a <= s < a + 5.0) for a in starts)
+    assert most <= 10 * 1.05 + 1, most  # no burst: 10 starts per 5 s at this rate
 
 
-def test_other_models_and_kinds_are_not_limited(gpu_cluster, sqlite_url):
-    cluster = ClusterBlock(model_limits=[ModelLimit(model="claude-*", concurrency=1)])
+def test_other_models_and_kinds_are_not_limited(control_plane):
+    t = tenant(control_plane, cluster=ClusterBlock(model_limits=[ModelLimit(model="claude-*", concurrency=1)]))
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, cluster=cluster, max_workers=8))
+    @flow(task_runner=t.runner(max_workers=8))
     def batch():
-        return [f.result() for f in call.map(range(4))]
+        return [f.result() for f in call.map(range(4))], str(FlowRunContext.get().flow_run.id)
 
-    assert most_at_once(batch()) >= 3
+    spans, run = batch()
+    assert most_at_once(spans) >= 3
+    assert all("model_limit" not in p for p in settled(control_plane, run))
+
+
+def test_a_call_waiting_for_its_slot_keeps_its_holds_and_is_denied_if_revoked_meanwhile(control_plane, tmp_path):
+    """A call waiting for a model slot is a running call for the watcher: its holds are renewed, and a revocation
+    while it waits denies it before it ever runs (its holds voided), while the call holding the slot is stopped."""
+    import threading
+    import uuid
+
+    from aisched_prefect import AdmissionDenied, AISchedTaskRunner
+    from tests.helpers import authority
+
+    t = tenant(control_plane, authority_=authority(can_delegate=True),
+               cluster=ClusterBlock(model_limits=[ModelLimit(model="gpt-wait-*", concurrency=1)]))
+    child = f"caller-{uuid.uuid4().hex[:6]}"
+    resp = control_plane.delegate("team-a-root", token=t.token, id=child, principal="team-a/caller")
+    assert resp.status_code == 200, resp.text
+    caller = control_plane.issue("team-a/caller", authority=t.authority, budget=t.budget, cluster=t.cluster,
+                                 tenant="team-a")
+    ran = tmp_path / "ran"
+    ran.mkdir()
+
+    @ai_task(kind="model-call", model="gpt-wait-1", est_tokens=100)
+    def slow(i):
+        (ran / str(i)).write_text("x")
+        time.sleep(4)
+        return i
+
+    outcomes: dict[int, str] = {}
+    revoked: list = []
+
+    @flow(task_runner=AISchedTaskRunner(control_plane=control_plane.url, credential=caller, grant=child, max_workers=2))
+    def batch():
+        futures = [slow.submit(0)]
+        while not any(ran.iterdir()):  # the first holds the slot; the second waits for it
+            time.sleep(0.05)
+        futures.append(slow.submit(1))
+        time.sleep(1.0)
+        revoker = threading.Thread(target=lambda: revoked.append(control_plane.revoke(child, "incident",
+                                                                               authority=t.authority)))
+        revoker.start()
+        for i, f in enumerate(futures):
+            try:
+                outcomes[i] = str(f.result())
+            except AdmissionDenied as exc:
+                outcomes[i] = str(exc)
+        return str(FlowRunContext.get().flow_run.id)
+
+    run = batch()
+    assert revoked and revoked[0].status_code == 200, revoked and revoked[0].text
+    assert len(list(ran.iterdir())) == 1  # the waiting call never ran
+    assert all("denied at revocation" in o for o in outcomes.values()), outcomes
+    assert "waited for its model's limit" in outcomes[1] or "waited for its model's limit" in outcomes[0]
+    by_outcome = {p["outcome"]: p for p in settled(control_plane, run)}
+    assert set(by_outcome) == {"stopped-revoked", "revoked-while-waiting"}
+    assert all(s["status"] == "voided" for s in by_outcome["revoked-while-waiting"]["settlements"])
+    assert all(h["status"] != "pending" for h in control_plane.ledger().history(t.budget, limit=100))
 
 
 def test_a_limit_that_limits_nothing_names_its_fields():
@@ -67,3 +185,48 @@ def test_a_tenant_weight_of_zero_is_refused_naming_the_field():
 
     with pytest.raises(ValidationError, match=r"tenant_weights \{'team-b': 0\.0\}: every weight must be above 0"):
         ClusterBlock(tenant_weights={"team-a": 2.0, "team-b": 0.0})
+
+
+def test_model_limit_slots_go_first_come_first_served_and_come_back_from_a_client_that_left():
+    """The scheduler plugin itself: a freed slot passes to the first waiter (a newcomer cannot take it in between);
+    a waiter that gives up passes on a slot handed to it; a client that goes away gives its slots back."""
+    import asyncio
+
+    from dask_gpu.limits import ModelLimits
+
+    async def scenario():
+        lim = ModelLimits()
+        take = dict(name="m", per_minute=None, concurrency=1)
+        assert (await lim.acquire(**take, client="c1", key="a"))["delay"] == 0.0
+        second = asyncio.ensure_future(lim.acquire(**take, client="c1", key="b", wait=5))
+        third = asyncio.ensure_future(lim.acquire(**take, client="c2", key="c", wait=5))
+        await asyncio.sleep(0.01)
+        assert not second.done() and lim.status()["m"] == {"in_flight": 1, "waiting": 2, "next_slot_in": None}
+        lim.release("m", "c1")
+        assert await lim.acquire(**take, client="c3", key="late", wait=0.01) is None  # no barging in
+        assert (await second)["delay"] == 0.0 and not third.done()
+        lim.cancel("m", "c3", "late")
+        lim.remove_client(None, "c1")  # c1 (holding b's slot) went away: c2's waiter gets it
+        assert (await third)["delay"] == 0.0
+        slow = await lim.acquire(**take, client="c4", key="d", wait=0.01)  # timed out, keeps its place in line
+        assert slow is None
+        lim.release("m", "c2")  # the slot is handed to d while it is between asks
+        lim.cancel("m", "c4", "d")  # d gives up: the slot is free again
+        assert lim.status()["m"]["in_flight"] == 0
+        assert (await lim.acquire(**take, client="c5", key="e", wait=0.01))["delay"] == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_rate_slots_are_spaced_whatever_the_concurrency():
+    import asyncio
+
+    from dask_gpu.limits import ModelLimits
+
+    async def burst():
+        lim = ModelLimits()
+        return [await lim.acquire("r", per_minute=120, concurrency=100, client="c", key=str(i)) for i in range(10)]
+
+    slots = asyncio.run(burst())
+    assert [round(s["delay"], 2) for s in slots] == [round(0.5 * i, 2) for i in range(10)]
+    assert [round(b["slot"] - a["slot"], 6) for a, b in zip(slots, slots[1:])] == [0.5] * 9

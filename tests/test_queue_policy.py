@@ -15,7 +15,8 @@ from dask_gpu.queue_policy import (
     max_min_shares,
     reservation,
 )
-from aisched_prefect.simulator import jain, lower_bound, simulate
+from dask_gpu.sim_metrics import jain, percentile
+from dask_gpu.simulator import simulate
 
 
 def job(i, gpus, submit=0.0, duration=10.0, tenant="a"):
@@ -28,22 +29,7 @@ def run(policy, jobs, hosts=1, gpus=4):
 
 def starts_of(policy, jobs, hosts=1, gpus=4):
     """Start time of each job id under `policy`."""
-    from aisched_prefect import simulator
-
-    seen = {}
-    original = simulator.Running
-
-    class Spy(original):
-        def __init__(self, job, host, start):
-            super().__init__(job, host, start)
-            seen[job.id] = start
-
-    simulator.Running = Spy
-    try:
-        run(policy, jobs, hosts, gpus)
-    finally:
-        simulator.Running = original
-    return seen
+    return run(policy, jobs, hosts, gpus).started
 
 
 def test_fifo_head_of_line_blocking_and_easy_backfill_around_it():
@@ -61,15 +47,15 @@ def test_backfill_never_delays_the_head_reservation():
     assert easy[1] == 10.0 and easy[2] >= 20.0
 
 
-def test_plain_dask_model_runs_last_in_first_out_per_host():
-    jobs = [job(0, 4, duration=10), job(1, 4, submit=1), job(2, 4, submit=2)]
+def test_plain_dask_model_runs_each_hosts_queue_in_submit_order_and_its_head_blocks():
+    jobs = [job(0, 4, duration=10), job(1, 4, submit=1), job(2, 1, submit=2)]
     s = starts_of(PlainDask(1), jobs)
-    assert s[2] < s[1]  # the later job goes first
+    assert s[1] == 10.0 and s[2] == 20.0  # the 1-GPU job waits behind the 4-GPU head (nothing is free anyway)
 
 
 def test_reservation_is_the_earliest_host_that_frees_enough():
     state = ClusterState(free=[0, 1], running=[Running(job(0, 4, duration=30), 0, 0.0), Running(job(1, 3, duration=5), 1, 0.0)])
-    assert reservation(job(9, 4), 0.0, state) == (5.0, 1, 0)
+    assert reservation(job(9, 4), 0.0, state) == (5.0, {1: 0})
 
 
 def test_fair_share_serves_the_tenant_below_its_share_first():
@@ -94,20 +80,20 @@ def test_max_min_shares_water_fill():
 def test_lower_bound_and_metrics_are_consistent():
     jobs = [job(i, 2, submit=float(i), duration=10.0, tenant="ab"[i % 2]) for i in range(20)]
     durations = {j.id: j.estimate for j in jobs}
-    lb = lower_bound(jobs, durations, 8)
     for policy in (PlainDask(2), Fifo(), EasyBackfill(), FairShare()):
         out = simulate(jobs, durations, policy, 2, 4)
-        assert out.makespan >= lb - 1e-9 and 0 < out.utilization <= 1 and 0 < out.jain <= 1
+        assert out.makespan >= out.lower_bound - 1e-9 and 0 < out.utilization <= 1 and 0 < out.jain <= 1
         assert out.mean_jct >= 10.0 and out.p95_jct >= out.mean_jct - 1e-9
 
 
-def test_jain_index():
+def test_jain_index_and_interpolated_percentile():
     assert jain([1, 1, 1]) == 1.0 and jain([1, 0]) == pytest.approx(0.5)
+    assert percentile(range(1, 101), 95) == pytest.approx(95.05)  # nearest rank would say 96
 
 
-def test_a_job_wider_than_every_host_is_reported():
+def test_a_job_wider_than_the_cluster_is_reported():
     with pytest.raises(RuntimeError, match="never ran"):
-        run(Fifo(), [job(0, 8)], hosts=2, gpus=4)
+        run(Fifo(), [job(0, 12)], hosts=2, gpus=4)
 
 
 def test_no_policy_overcommits_a_host_on_a_random_busy_workload():
@@ -118,7 +104,7 @@ def test_no_policy_overcommits_a_host_on_a_random_busy_workload():
                 estimate=rng.uniform(10, 3000)) for i in range(400)]
     for policy in (PlainDask(4), Fifo(), EasyBackfill(), FairShare()):
         out = simulate(jobs, {j.id: j.estimate for j in jobs}, policy, 4, 8)  # raises on any over-commit
-        assert max(busy for _, busy, _ in out.timeline) <= 32
+        assert max(sum(r.values()) for _, r, _ in out.timeline) <= 32
 
 
 def test_a_tenant_running_nothing_gets_the_last_free_gpu():
@@ -168,11 +154,12 @@ def test_a_tenant_reclaims_its_quota_from_preemptible_borrowed_runs_only():
 
 
 def test_weights_give_a_tenant_its_weighted_share():
-    # Two tenants each queue four long 1-GPU runs on 4 GPUs; a weighs 3, b 1: a gets three GPUs, b one.
-    jobs = [job(i, 1, duration=100.0, tenant="a") for i in range(4)] + [job(10 + i, 1, duration=100.0, tenant="b")
-                                                                        for i in range(4)]
+    # Two tenants each queue four long 1-GPU runs behind a 4-GPU run of c; a weighs 3, b 1: when c's run
+    # ends, a gets three GPUs, b one.
+    jobs = [job(99, 4, duration=10.0, tenant="c")] + [job(i, 1, submit=1.0, duration=100.0, tenant="a") for i in range(4)] + [
+        job(10 + i, 1, submit=1.0, duration=100.0, tenant="b") for i in range(4)]
     starts = starts_of(FairShare(weights={"a": 3.0}, headroom=0), jobs)
-    at_once = [j.tenant for j in jobs if starts[j.id] == 0.0]
+    at_once = [j.tenant for j in jobs if starts[j.id] == 10.0]
     assert sorted(at_once) == ["a", "a", "a", "b"]
 
 
@@ -188,3 +175,90 @@ def test_once_submissions_stop_the_longest_waiting_job_starts_first():
     assert starts_of(FairShare(tail=0), [blocker, *shorts, long])[9] == 6000.0  # the rule off: shortest first
     urgent = [Job(id=i, tenant="a", gpus=1, submit=1.0, estimate=1000.0, priority=1) for i in range(1, 9)]
     assert starts_of(FairShare(), [blocker, *urgent, long])[9] == 6000.0  # priority still comes first
+
+
+def test_ours_reclaims_a_quota_from_preemptible_borrowed_runs_only():
+    """FinishTimeFair (the live queue's default) preempts as FairShare does: a tenant whose best job fits its quota
+    (its part among the tenants that run or wait now) but no host gets GPUs back from preemptible borrowed runs."""
+    from dataclasses import replace
+
+    from dask_gpu.queue_policy import FinishTimeFair
+
+    def case(preemptible: bool, resume: bool = False):
+        borrowed = [replace(job(i, 1, submit=0.0, duration=1000.0, tenant="a"), preemptible=preemptible) for i in range(8)]
+        b = job(99, 4, submit=10.0, duration=50.0, tenant="b")
+        return simulate([*borrowed, b], {j.id: j.estimate for j in [*borrowed, b]}, FinishTimeFair(), 2, 4,
+                        resume_preempted=resume)
+
+    out = case(preemptible=False)
+    assert out.preempted == 0 and out.started[99] == 1000.0  # nothing may be stopped: b waits for a's runs
+    assert all(out.started[i] == 0.0 for i in range(8))  # a alone had every GPU: none held idle
+    out = case(preemptible=True)
+    assert out.started[99] == 10.0 and out.preempted == 4  # four of a's runs on one host give b its quota back
+    assert out.wasted_gpu_hours == pytest.approx(4 * 10.0 / 3600)
+    resumed = case(preemptible=True, resume=True)
+    assert resumed.wasted_gpu_hours == 0 and resumed.makespan < out.makespan
+
+
+def test_ours_serves_the_claimant_first_and_reclaims_nothing_beyond_the_quota():
+    """The GPUs a preemption frees go to the run they were taken for, not back to the stopped runs (requeued, smaller
+    work); a claim beyond the claimant's quota stops nothing."""
+    from dataclasses import replace
+
+    from dask_gpu.queue_policy import FinishTimeFair
+
+    def case(b_gpus: int):
+        borrowed = [replace(job(i, 1, submit=0.0, duration=1000.0, tenant="a"), preemptible=True) for i in range(4)]
+        b = job(99, b_gpus, submit=10.0, duration=5000.0, tenant="b")  # more work than any of a's
+        jobs = [*borrowed, b]
+        return simulate(jobs, {j.id: j.estimate for j in jobs}, FinishTimeFair(), 1, 4)
+
+    out = case(2)  # b's quota: 2 of 4 beside a
+    assert out.started[99] == 10.0 and out.preempted == 2
+    assert sorted(out.ended[i] for i in range(4)) == [1000.0, 1000.0, 2000.0, 2000.0]  # requeued behind b
+    out = case(3)  # beyond b's quota: it waits for a's runs to end, nothing is stopped
+    assert out.preempted == 0 and out.started[99] == 1000.0
+
+
+def test_the_live_queue_holds_no_gpu_idle_and_gives_borrowed_gpus_back():
+    """The queue plugin's default policy (FinishTimeFair) starts a tenant's runs on every free GPU (FairShare's
+    headroom kept one idle), and preempts one of them for a tenant that arrives: leave() names that tenant."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dask_gpu.queue_plugin import GPUQueuePlugin
+    from dask_gpu.queue_policy import FinishTimeFair
+
+    stopped: list = []
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self.workers = {a: SimpleNamespace(resources={"GPU": 2}, name=a) for a in ("tcp://w0", "tcp://w1")}
+            self.handlers: dict = {}
+
+        async def broadcast(self, msg, workers, on_error="raise"):
+            if msg["op"] == "gpu_stop":
+                stopped.append((msg, workers))
+            return {}
+
+    async def scenario():
+        plugin = GPUQueuePlugin()
+        assert isinstance(plugin.policy, FinishTimeFair)
+        await plugin.start(Scheduler())
+        borrowed = [asyncio.ensure_future(plugin.run(f"a{i}", tenant="a", gpus=1, estimate=600.0, preemptible=True,
+                                                     task=f"task-a{i}")) for i in range(4)]
+        where = await asyncio.gather(*borrowed)
+        assert sorted(where) == ["tcp://w0", "tcp://w0", "tcp://w1", "tcp://w1"]  # all four GPUs busy at once
+        assert plugin.status()["free"] == {"tcp://w0": 0, "tcp://w1": 0}
+        b = await plugin.run("b", tenant="b", gpus=1, estimate=10.0)
+        status = plugin.status()
+        assert status["preempted"] == 1 and b in ("tcp://w0", "tcp://w1")
+        await asyncio.sleep(0)
+        assert len(stopped) == 1 and stopped[0][0]["op"] == "gpu_stop" and stopped[0][1] == [b]
+        victim = stopped[0][0]["keys"][0].removeprefix("task-")
+        assert plugin.leave(victim) == "b"  # its client learns it was preempted, and for whom
+        assert [plugin.leave(f"a{i}") for i in range(4) if f"a{i}" != victim] == [None, None, None]
+        plugin.leave("b")
+        assert plugin.status()["free"] == {"tcp://w0": 2, "tcp://w1": 2} and plugin.status()["queued"] == 0
+
+    asyncio.run(scenario())

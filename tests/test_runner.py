@@ -1,4 +1,4 @@
-"""Flows run for real: Prefect test server, Dask worker processes, SQLite ledger."""
+"""Flows run for real: Prefect test server, a control plane process, Dask worker processes, its SQLite ledger."""
 
 from __future__ import annotations
 
@@ -7,19 +7,18 @@ import time
 
 import pytest
 from prefect import flow, task
+from prefect.context import FlowRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from aisched_prefect import AdmissionDenied, InvalidAIRequest, Ledger, ai_task, current_devices, evidence_rows
+from aisched_prefect import AdmissionDenied, InvalidAIRequest, ai_task, current_devices, current_worker, evidence_rows
 from aisched_prefect.errors import ConfigurationError, NoAdmissionContext
-from tests.helpers import authority, budget, runner
+from tests.helpers import authority, budget, tenant
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
 def where():
-    from distributed import get_worker
-
-    return get_worker().address, [d.index for d in current_devices()], [d.gpu_type for d in current_devices()]
+    return current_worker(), [d.index for d in current_devices()], [d.gpu_type for d in current_devices()]
 
 
 @ai_task(gpus=2, gpu_type="H100", kind="training", est_seconds=20)
@@ -60,21 +59,27 @@ def kinds_by_task(records):
     return out
 
 
-def test_nightly_places_on_gpus_and_leaves_evidence(gpu_cluster, sqlite_url):
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url))
+def accounts_of(plane, t):
+    return [a for a in plane.ledger().accounts() if a["budget"].split("/")[0].split("#")[0] == t.budget]
+
+
+def test_nightly_places_on_gpus_and_leaves_evidence(control_plane):
+    t = tenant(control_plane)
+
+    @flow(task_runner=t.runner())
     def nightly():
         n = plain(1)
-        t = train({"lr": 1})
+        tr = train({"lr": 1})
         futures = embed.map(range(n + 1))
         a10 = on_a10.submit()
-        return t, [f.result() for f in futures], a10.result()
+        return tr, [f.result() for f in futures], a10.result(), FlowRunContext.get().flow_run.id
 
-    (t_worker, t_devices, t_types), embeds, a10 = nightly()
+    (t_worker, t_devices, t_types), embeds, a10, flow_run_id = nightly()
     assert t_types == ["H100", "H100"] and sorted(t_devices) == [0, 1]
     assert len(embeds) == 3 and all(len(d) == 1 for _, d, _ in embeds)
     assert a10[2] == ["A10"]
-    ledger = Ledger(sqlite_url)
-    records = ledger.records()
+    ledger = control_plane.ledger()
+    records = control_plane.records(flow_run_id)
     assert ledger.verify().ok
     # One admission and one settlement per AI task run: direct call, .map() and .submit() alike.
     assert sorted(kinds_by_task(records).values()) == [["admission", "settlement"]] * 5
@@ -82,16 +87,15 @@ def test_nightly_places_on_gpus_and_leaves_evidence(gpu_cluster, sqlite_url):
     train_row = next(r for r in rows if r["task"] == "train")
     assert train_row["worker"] == t_worker and train_row["grant"] == "team-a-root"
     assert 0 < train_row["charged"] <= train_row["reserved"]
-    account = ledger.accounts()[0]
+    (account,) = accounts_of(control_plane, t)
     assert account["pending"] == 0 and account["posted"] == pytest.approx(sum(r["charged"] for r in rows), abs=1e-5)
 
 
-def test_evidence_artifact_is_attached_to_the_flow_run(gpu_cluster, sqlite_url):
+def test_evidence_artifact_is_attached_to_the_flow_run(control_plane):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-    from prefect.context import FlowRunContext
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url))
+    @flow(task_runner=tenant(control_plane).runner())
     def one():
         embed(0)
         return FlowRunContext.get().flow_run.id
@@ -99,9 +103,6 @@ def test_evidence_artifact_is_attached_to_the_flow_run(gpu_cluster, sqlite_url):
     flow_run_id = one()
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    keys = {a.key for a in artifacts}  # the evidence table, and the usage reports of the run and of the day
-    day = {k for k in keys if k.startswith("aisched-usage-20")}
-    assert keys - day == {"aisched-evidence", f"aisched-usage-{str(flow_run_id)[:8]}"} and len(day) == 1, keys
     evidence = next(a for a in artifacts if a.key == "aisched-evidence")
     (row,) = evidence.data if isinstance(evidence.data, list) else __import__("json").loads(evidence.data)
     assert row["task"] == "embed" and row["decision"] == "completed" and row["devices"] is not None
@@ -111,27 +112,30 @@ def _scheduler_keys(client) -> set[str]:
     return set(client.run_on_scheduler(lambda dask_scheduler: [str(t[0]) for t in dask_scheduler.transition_log]))
 
 
-def test_principal_without_grant_is_denied_and_never_reaches_dask(gpu_cluster, dask_client, sqlite_url):
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, principal="team-b/intruder"))
-    def intruder():
-        return denial_of(embed, 0)
+def test_principal_without_grant_is_denied_and_never_reaches_dask(control_plane, dask_client):
+    t = tenant(control_plane, principal="team-b/intruder")
 
-    stage, message = intruder()
+    @flow(task_runner=t.runner())
+    def intruder():
+        return denial_of(embed, 0), FlowRunContext.get().flow_run.id
+
+    (stage, message), flow_run_id = intruder()
     assert stage == "authority"
-    assert "principal 'team-b/intruder' holds no grant" in message and "Fix: add or widen a grant" in message
-    (denial,) = Ledger(sqlite_url).records()
+    assert "principal 'team-b/intruder' holds no grant" in message and "Fix: an operator grants" in message
+    (denial,) = control_plane.records(flow_run_id)
     assert denial.kind == "denial" and denial.payload["stage"] == "authority"
     assert not any(denial.task_run_id in k for k in _scheduler_keys(dask_client))
-    assert Ledger(sqlite_url).accounts() == []  # nothing was held
+    assert accounts_of(control_plane, t) == []  # nothing was held
 
 
 @pytest.mark.parametrize(
     "grant, match",
     [({"kinds": ["inference"]}, "allows kinds"), ({"max_gpus": 1}, "max_gpus=1"),
-     ({"gpu_types": ["A10"]}, "allows GPU types"), ({"max_cost_per_run": 0.01}, "max_cost_per_run")],
+     ({"gpu_types": ["A10"]}, "allows GPU types"), ({"max_cost_per_run": 0.01}, "max_cost_per_run"),
+     ({"models": ["llama-8b"]}, "declares none: set model=")],
 )
-def test_grant_dimensions_deny(gpu_cluster, sqlite_url, grant, match):
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=authority(**grant)))
+def test_grant_dimensions_deny(control_plane, grant, match):
+    @flow(task_runner=tenant(control_plane, authority_=authority(**grant)).runner())
     def f():
         return denial_of(train, {})
 
@@ -139,27 +143,28 @@ def test_grant_dimensions_deny(gpu_cluster, sqlite_url, grant, match):
     assert stage == "authority" and match in message
 
 
-def test_hold_that_would_pass_the_budget_is_denied(gpu_cluster, sqlite_url):
+def test_hold_that_would_pass_the_budget_is_denied(control_plane):
     # embed holds 1 GPU x 5 s x 4.0/h = 0.0056 and fits; train holds 2 x 20 s x 4.0/h = 0.0444 and does not.
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, budget=budget(limit=0.03)))
+    t = tenant(control_plane, budget_=budget(limit=0.03))
+
+    @flow(task_runner=t.runner())
     def f():
         embed(0)
-        return denial_of(train, {})
+        return denial_of(train, {}), FlowRunContext.get().flow_run.id
 
-    stage, message = f()
+    (stage, message), flow_run_id = f()
     assert stage == "budget" and "left of 0.03" in message and "needs 0.0444" in message
-    ledger = Ledger(sqlite_url)
-    account = ledger.accounts()[0]
+    (account,) = accounts_of(control_plane, t)
     assert account["pending"] == 0 and account["posted"] + account["pending"] <= account["limit"]
-    assert [r.kind for r in ledger.records()] == ["admission", "settlement", "denial"]
+    assert [r.kind for r in control_plane.records(flow_run_id)] == ["admission", "settlement", "denial"]
 
 
-def test_infeasible_request_fails_fast_naming_the_largest_worker(gpu_cluster, sqlite_url):
+def test_infeasible_request_fails_fast_naming_the_largest_worker(control_plane):
     @ai_task(gpus=8, kind="training", est_seconds=60)
     def huge():
         return 1
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=authority(max_gpus=8)))
+    @flow(task_runner=tenant(control_plane, authority_=authority(max_gpus=8)).runner())
     def f():
         return denial_of(huge)
 
@@ -170,25 +175,28 @@ def test_infeasible_request_fails_fast_naming_the_largest_worker(gpu_cluster, sq
     assert re.search(r"gpus=8.*largest worker gpu-worker-\d has 2 x H100 80 GB", message)
 
 
-def test_task_failure_is_settled_and_recorded(gpu_cluster, sqlite_url):
+def test_task_failure_is_settled_and_recorded(control_plane):
     @ai_task(gpus=1, kind="inference", est_seconds=5)
     def broken():
         raise ValueError("model exploded")
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url))
+    t = tenant(control_plane)
+    ids = []
+
+    @flow(task_runner=t.runner())
     def f():
+        ids.append(FlowRunContext.get().flow_run.id)
         return broken()
 
     with pytest.raises(ValueError, match="model exploded"):
         f()
-    ledger = Ledger(sqlite_url)
-    settlement = ledger.records()[-1]
+    settlement = control_plane.records(ids[0])[-1]
     assert settlement.kind == "settlement" and settlement.payload["outcome"] == "failed"
     assert "model exploded" in settlement.payload["error"]
-    assert ledger.accounts()[0]["pending"] == 0
+    assert accounts_of(control_plane, t)[0]["pending"] == 0
 
 
-def test_ai_task_outside_the_runner_is_refused(sqlite_url):
+def test_ai_task_outside_the_runner_is_refused():
     @flow(task_runner=ThreadPoolTaskRunner())
     def f():
         return embed(0)
@@ -197,15 +205,16 @@ def test_ai_task_outside_the_runner_is_refused(sqlite_url):
         f()
 
 
-def test_with_options_copy_still_passes_admission(gpu_cluster, sqlite_url):
+def test_with_options_copy_still_passes_admission(control_plane):
     renamed = embed.with_options(name="embed-renamed", retries=2)
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, principal="nobody/x"))
+    @flow(task_runner=tenant(control_plane, principal="nobody/x").runner())
     def f():
-        return denial_of(renamed, 0)
+        return denial_of(renamed, 0), FlowRunContext.get().flow_run.id
 
-    assert "holds no grant" in f()[1]
-    assert [r.kind for r in Ledger(sqlite_url).records()] == ["denial"]  # denials are not retried
+    (_, message), flow_run_id = f()
+    assert "holds no grant" in message
+    assert [r.kind for r in control_plane.records(flow_run_id)] == ["denial"]  # denials are not retried
 
 
 @pytest.mark.parametrize(
@@ -225,41 +234,29 @@ def test_runner_configuration_errors_name_the_field():
         AISchedTaskRunner(principal="team-a/*", authority="a", budget="b")
     with pytest.raises(ConfigurationError, match="approver"):
         AISchedTaskRunner(principal="p", authority="a", budget="b", approver="slack")
-    with pytest.raises(ConfigurationError, match="top_up_fraction: Input should be greater than 0"):
-        AISchedTaskRunner(principal="p", authority="a", budget="b", top_up_fraction=0)
-    with pytest.raises(ConfigurationError, match="hold_lease_seconds: Input should be greater than or equal to 1"):
-        AISchedTaskRunner(principal="p", authority="a", budget="b", hold_lease_seconds=0.1)
+    with pytest.raises(ConfigurationError, match="ledger_url=...\\) is refused: the ledger belongs to the control plane"):
+        AISchedTaskRunner(principal="p", authority="a", budget="b", ledger_url="sqlite:///mine.db")
+    with pytest.raises(ConfigurationError, match="address=...\\) is refused"):
+        AISchedTaskRunner(principal="p", authority="a", budget="b", address="tcp://127.0.0.1:8786")
+    with pytest.raises(ConfigurationError, match="authority: .*not a AuthorityBlock object"):
+        AISchedTaskRunner(principal="p", authority=authority(), budget="b")
 
 
-def test_blocks_are_loaded_by_name(gpu_cluster, sqlite_url):
-    authority().save("test-team", overwrite=True)
-    budget().save("test-team", overwrite=True)
+def test_the_runner_may_only_repeat_what_its_credential_proves(control_plane):
+    t = tenant(control_plane)
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority="test-team", budget="test-team"))
-    def f():
+    @flow(task_runner=t.runner(principal="team-z/other"))
+    def claims_another_principal():
         return embed(0)
 
-    assert f()
-    (admission, _) = Ledger(sqlite_url).records()
-    assert admission.payload["authority"] == "test-team" and admission.payload["budget"] == "test-team"
+    with pytest.raises(ConfigurationError, match="the credential proves principal='team-a/nightly'"):
+        claims_another_principal()
 
+    @flow(task_runner=t.runner(principal="team-a/nightly", authority=t.authority))
+    def repeats_it():
+        return embed(0)
 
-def test_missing_block_is_a_clear_error(gpu_cluster, sqlite_url):
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority="no-such-block"))
-    def f():
-        return 1
-
-    with pytest.raises(AdmissionDenied, match=r"authority block 'no-such-block' could not be loaded.*AuthorityBlock"):
-        f()
-
-
-def test_embedded_cluster_starts_and_stops(sqlite_url):
-    @flow(task_runner=runner(None, sqlite_url, declared="1 worker x 1 GPU, 24 GB, A10"))
-    def f():
-        return on_a10()
-
-    _, devices, types = f()
-    assert devices == [0] and types == ["A10"]
+    assert repeats_it()
 
 
 def test_runner_pickles_and_duplicates_with_every_argument():
@@ -268,9 +265,9 @@ def test_runner_pickles_and_duplicates_with_every_argument():
 
     from aisched_prefect import AISchedTaskRunner
 
-    original = AISchedTaskRunner(principal="team-a/x", authority=authority(), budget="team-a", approval_policy="p",
-                                 approver="policy", address="tcp://127.0.0.1:1", declared="2 GPUs", ledger_url="sqlite://",
-                                 max_workers=7, ticket_ttl_seconds=60)
+    original = AISchedTaskRunner(principal="team-a/x", authority="team-a", budget="team-a", approval_policy="p",
+                                 approver="policy", declared="2 GPUs", max_workers=7, control_plane="http://cp:1",
+                                 queue=True)
     copy = cloudpickle.loads(cloudpickle.dumps(original.duplicate()))
     assert copy == original and copy.config == original.config
     assert copy._max_workers == 7
@@ -278,24 +275,24 @@ def test_runner_pickles_and_duplicates_with_every_argument():
         copy.session
 
 
-def test_fractional_ai_tasks_share_gpus_and_pay_their_share(gpu_cluster, sqlite_url):
+def test_fractional_ai_tasks_share_gpus_and_pay_their_share(control_plane):
     @ai_task(gpus=0.5, gpu_memory_gb=30, gpu_type=["H100", "A100"], kind="inference", est_seconds=36)
     def half(i):
         time.sleep(0.2)
         return where()
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url))
+    @flow(task_runner=tenant(control_plane).runner())
     def f():
-        return [x.result() for x in half.map(range(6))]
+        return [x.result() for x in half.map(range(6))], FlowRunContext.get().flow_run.id
 
-    runs = f()
+    runs, flow_run_id = f()
     assert all(types == ["H100"] and len(devices) == 1 for _, devices, types in runs)
-    admissions = [r for r in Ledger(sqlite_url).records() if r.kind == "admission"]
+    admissions = [r for r in control_plane.records(flow_run_id) if r.kind == "admission"]
     # 0.5 GPU x 36 s x 4.0/GPU-hour = 0.02 held per run.
     assert [round(a.payload["estimate"]["amount"], 6) for a in admissions] == [0.02] * 6
 
 
-def test_logs_from_the_task_body_reach_its_prefect_task_run(gpu_cluster, sqlite_url):
+def test_logs_from_the_task_body_reach_its_prefect_task_run(control_plane):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 
@@ -307,9 +304,9 @@ def test_logs_from_the_task_body_reach_its_prefect_task_run(gpu_cluster, sqlite_
 
         # WARNING: the tests run Prefect at PREFECT_LOGGING_LEVEL=WARNING, and the replay respects it.
         task_logger().warning("working on device %s", current_devices()[0].key)
-        return TaskRunContext.get()  # None: the body runs on the worker, outside the task-run context
+        return TaskRunContext.get()  # None: the body runs in its own process on the worker, outside the context
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url))
+    @flow(task_runner=tenant(control_plane).runner())
     def f():
         state = chatty(return_state=True)
         return state.state_details.task_run_id, state.result()
@@ -326,15 +323,67 @@ def test_logs_from_the_task_body_reach_its_prefect_task_run(gpu_cluster, sqlite_
     assert any(m.startswith("working on device ") for m in messages), messages
 
 
-def test_a_requests_priority_is_capped_by_its_grant(gpu_cluster, sqlite_url):
+def test_a_requests_priority_is_capped_by_its_grant(control_plane):
     @ai_task(gpus=1, kind="inference", est_seconds=5, priority=50)
     def urgent():
         return "ok"
 
-    @flow(task_runner=runner(gpu_cluster.scheduler_address, sqlite_url, authority=authority(max_priority=5)))
+    @flow(task_runner=tenant(control_plane, authority_=authority(max_priority=5)).runner())
     def asks_for_more():
-        return urgent()
+        return urgent(), FlowRunContext.get().flow_run.id
 
-    assert asks_for_more() == "ok"
-    (admission,) = [r for r in Ledger(sqlite_url).records() if r.kind == "admission"]
+    out, flow_run_id = asks_for_more()
+    assert out == "ok"
+    (admission,) = [r for r in control_plane.records(flow_run_id) if r.kind == "admission"]
     assert admission.payload["request"]["priority"] == 50 and admission.payload["priority"] == 5
+
+
+def test_a_call_can_say_what_it_asks_for_and_still_passes_admission(control_plane):
+    """A flow that takes `gpus` as a parameter says it at the call: train.with_options(gpus=1)."""
+    from aisched_prefect import request_of
+
+    one_gpu = train.with_options(gpus=1, est_seconds=10)
+    assert request_of(one_gpu).gpus == 1 and request_of(train).gpus == 2  # the decorated task is unchanged
+
+    @flow(task_runner=tenant(control_plane, authority_=authority(max_gpus=1)).runner())
+    def f():
+        return one_gpu({"lr": 1}), denial_of(train, {}), FlowRunContext.get().flow_run.id
+
+    (_, devices, _), (stage, message), flow_run_id = f()
+    assert len(devices) == 1 and stage == "authority" and "max_gpus=1" in message
+    (admission,) = [r for r in control_plane.records(flow_run_id) if r.kind == "admission"]
+    assert admission.payload["request"]["gpus"] == 1 and admission.payload["request"]["est_seconds"] == 10
+
+
+def test_a_missing_block_fails_the_flow_run_with_one_clear_line():
+    """An embedded control plane's block that does not exist: the run ends Failed (not Running), saying which and how."""
+    import logging
+
+    from prefect.client.orchestration import get_client
+
+    from aisched_prefect import AISchedTaskRunner
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.DEBUG)
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        @flow(task_runner=AISchedTaskRunner(principal="team-a/x", authority="team-a-typo", budget="team-a-typo"))
+        def typo():
+            return embed(0)
+
+        state = typo(return_state=True)
+    finally:
+        for name in ("prefect.task_runs", "prefect.flow_runs"):
+            logging.getLogger(name).removeHandler(handler)
+    assert state.is_failed() and "authority block 'team-a-typo' could not be loaded" in state.message
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(state.state_details.flow_run_id).state.is_failed()
+    about = [r for r in records if "team-a-typo" in r.getMessage()]
+    assert about and all(r.levelno == logging.WARNING and r.exc_info is None for r in about), \
+        [(r.levelname, r.getMessage()[:80]) for r in about]

@@ -1,0 +1,106 @@
+"""The flow process's side of the boundary: an HTTP client of the control plane, and nothing it could abuse.
+
+It holds one credential (the token an operator issued) and the addresses of
+the control plane's replicas. It cannot reach the ledger, the signing key or
+the Dask cluster; what it sends is a request and opaque bytes, and what it
+gets back is a decision and opaque bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from aisched_prefect.errors import AISchedError, ConfigurationError, InvalidAIRequest
+from aisched_prefect.wire import FRAME, ApprovalView, CallMeta, Reply, frame, unframe
+
+
+class ControlPlaneUnavailable(AISchedError):
+    """No replica of the control plane answered."""
+
+
+class ControlPlaneError(AISchedError):
+    """The control plane refused a request; the message says what to fix."""
+
+    def __init__(self, status: int, problem: dict[str, Any]) -> None:
+        self.status, self.problem = status, problem
+        super().__init__(problem.get("error", f"HTTP {status}"))
+
+
+class ControlPlaneClient:
+    """Calls one of several replicas; a replica that does not answer is skipped (the call is retried, idempotently)."""
+
+    def __init__(self, urls: list[str], token: str, timeout: float = 30.0, retry_seconds: float = 30.0) -> None:
+        if not urls:
+            raise ConfigurationError("no control plane address: set AISCHED_CONTROL_PLANE or pass control_plane=")
+        self.urls = list(urls)
+        self._token = token
+        self._preferred = 0
+        self.retry_seconds = retry_seconds
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout, read=None),
+                                  headers={"authorization": f"Bearer {token}"} if token else {},  # a signed answer needs none
+                                  limits=httpx.Limits(max_connections=2000, max_keepalive_connections=256))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a control-plane client holds a credential: it is never pickled")
+
+    def _send(self, method: str, path: str, *, rotate: bool = False, retry_seconds: float | None = None,
+              **kw: Any) -> httpx.Response:
+        """One request, to the first replica that answers; a replica that goes away, or answers busy (409: the
+        same call runs on another replica), is retried until `retry_seconds`. Every request is idempotent: a
+        call carries its key, so sending it again never runs it twice. `rotate`: start at the next replica
+        (calls are spread over the replicas)."""
+        deadline = time.monotonic() + (self.retry_seconds if retry_seconds is None else retry_seconds)
+        last: Exception | str | None = None
+        if rotate:
+            self._preferred = (self._preferred + 1) % len(self.urls)
+        while True:
+            for i in range(len(self.urls)):
+                k = (self._preferred + i) % len(self.urls)
+                try:
+                    resp = self._http.request(method, self.urls[k] + path, **kw)
+                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                    last = exc
+                    continue
+                if resp.status_code == 409 and "replica" in resp.text:
+                    last = "busy on another replica"
+                    break
+                self._preferred = k
+                if resp.status_code >= 400:
+                    try:
+                        problem = resp.json()
+                    except ValueError:
+                        problem = {"error": resp.text or f"HTTP {resp.status_code}"}
+                    if resp.status_code == 422:
+                        raise InvalidAIRequest(problem.get("error", "invalid request"))
+                    raise ControlPlaneError(resp.status_code, problem)
+                return resp
+            if time.monotonic() > deadline:
+                raise ControlPlaneUnavailable(
+                    f"no control plane answered at {', '.join(self.urls)} ({last}). "
+                    "Fix: start it (`aisched serve`) or correct AISCHED_CONTROL_PLANE") from None
+            time.sleep(0.5)
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self._send("GET", path, **kw).json()
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> Any:
+        return self._send("POST", path, json=body, **kw).json()
+
+    # -- calls ----------------------------------------------------------------------------------
+    def call(self, meta: CallMeta, blob: bytes) -> tuple[Reply, bytes]:
+        resp = self._send("POST", "/v1/calls", rotate=True, retry_seconds=max(self.retry_seconds, 120.0),
+                          content=frame(meta.model_dump_json().encode(), blob), headers={"content-type": FRAME})
+        head, out = unframe(resp.content)
+        return Reply.model_validate_json(head), out
+
+    def approval(self, approval_id: str, wait: float = 0.0) -> ApprovalView:
+        return ApprovalView.model_validate(self.get(f"/v1/approvals/{approval_id}", params={"wait": wait}))
+
+    def whoami(self) -> dict[str, Any]:
+        return self.get("/v1/whoami")

@@ -1,0 +1,223 @@
+"""Admission on the control plane: run the stages over one snapshot, record the outcome, reserve.
+
+Kueue's scheduler runs its phases over a snapshot; so does `Admitter.admit`:
+configuration -> feasibility -> pricing -> authority -> approval policy ->
+budget hold (all accounts or none, with its evidence in one transaction) ->
+a person, when the policy asks. Every outcome is one evidence record: an
+admission, a denial (naming the stage, the reason and the fix), or an approval
+request that holds the budget until a person answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from aisched_prefect.approvals import approval_digest
+from aisched_prefect.control import stages
+from aisched_prefect.control.identity import Credential
+from aisched_prefect.control.state import AuthorityState
+from aisched_prefect.errors import AdmissionDenied, InvalidLedgerInput
+from aisched_prefect.ledger import BudgetExceeded, Hold, Ledger
+from aisched_prefect.request import AIRequest
+from aisched_prefect.wire import CallMeta
+from blocks import RunFacts
+from dask_gpu import WorkerInventory
+
+logger = logging.getLogger("aisched_prefect.control")
+
+
+class Admission(BaseModel):
+    """An admitted run (or one waiting for a person): what dispatch and settlement need, from any replica."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    credential: str
+    principal: str
+    tenant: str
+    flow_run_id: str
+    task_run_id: str
+    task_name: str
+    flow_name: str | None
+    run_key: str
+    request: AIRequest
+    workers: list[str]
+    holds: list[Hold]
+    reserved: float
+    priced_type: str | None
+    chain: list[str]
+    expires_at: float | None
+    facts: RunFacts
+    shares: dict[str, float] = {}
+    priority: int = 0
+    payload_digest: str
+    code_digest: str
+    versions: dict[str, str] = {}
+    approval: str | None = None
+    approval_digest: str | None = None
+
+    @property
+    def authority(self) -> str | None:
+        """The name of the applied authority it was admitted under."""
+        ref = self.versions.get("authority")
+        return ref.split(":", 1)[1].rsplit("@", 1)[0] if ref else None
+
+    @property
+    def ids(self) -> dict[str, Any]:
+        return {"flow_run_id": self.flow_run_id, "task_run_id": self.task_run_id, "principal": self.principal}
+
+
+class ApprovalNeeded(Exception):
+    """The policy asks a person: the budget is held (or, `existing`: the call's request is already on file and
+    nothing more is held), the caller waits for the answer."""
+
+    def __init__(self, admission: Admission, approval_id: str, existing: bool = False) -> None:
+        self.admission, self.approval_id, self.existing = admission, approval_id, existing
+        super().__init__(f"run {admission.task_run_id} waits for a person's approval ({approval_id})")
+
+
+class Admitter:
+    """Runs admission for every caller of one control plane."""
+
+    def __init__(self, ledger: Ledger, state: AuthorityState, inventories: Callable[[bool], dict[str, WorkerInventory]],
+                 replica: str = "", existing_approval: Callable[[str, str], str | None] | None = None) -> None:
+        self.ledger, self.state, self.inventories, self.replica = ledger, state, inventories, replica
+        self.existing_approval = existing_approval  # (flow run, digest) -> a request on file for this call
+        self._versions_seen: set[tuple[str, str]] = set()
+
+    def deny(self, stage: str, reason: str, fix: str, payload: dict[str, Any], ids: dict[str, Any]) -> AdmissionDenied:
+        self.ledger.record("denial", {**payload, "stage": stage, "reason": reason, "fix": fix}, **ids)
+        return AdmissionDenied(stage, reason, fix)
+
+    def admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str, args_digest: str,
+              approver: str = "pause") -> Admission:
+        """Admit one call, or raise AdmissionDenied (recorded) or ApprovalNeeded (budget held, request recorded)."""
+        snap = self.state.refresh()
+        ids = {"flow_run_id": meta.flow_run_id, "task_run_id": meta.task_run_id, "principal": cred.principal}
+        if self.state.broken is not None:  # fail closed: authority read from a log that was tampered with is no authority
+            raise self.deny("configuration", f"the control plane's evidence log is broken ({self.state.broken}); it "
+                            "admits nothing until it is restored", "an operator investigates the database (aisched "
+                            "evidence verify --checkpoint DIR) and restores it", {"task": meta.task_name}, ids)
+        payload: dict[str, Any] = {"task": meta.task_name, "flow": meta.flow_name, "tenant": cred.tenant,
+                                   "request": request.model_dump(mode="json"), "code_digest": meta.code_digest,
+                                   "payload_digest": payload_digest, "credential": cred.id, "replica": self.replica}
+        try:
+            bound = stages.configuration(snap, cred)
+            payload.update(authority=bound.authority.ref, budget=bound.budget.ref,
+                           policy=bound.policy.ref if bound.policy else None)
+            workers, types = self._feasible(request)
+            estimate = stages.pricing(bound.budget, request, types)
+            payload["estimate"] = estimate.model_dump()
+            facts = RunFacts(
+                principal=cred.principal, tenant=cred.tenant, flow=meta.flow_name, flow_version=meta.code_digest[:16],
+                first_of_version=self._first_of_version(bound, meta.flow_name, meta.code_digest[:16]),
+                kind=request.kind, model=request.model, gpus=request.gpus, gpu_types=tuple(types),
+                est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount)
+            chain = stages.authority(snap, bound, facts, meta.grant)
+            payload.update(grant=chain[-1].id, chain=[g.id for g in chain],
+                           grant_versions={g.id: stages.version_of(g) for g in chain})
+            priority = payload["priority"] = min([request.priority, *(g.max_priority for g in chain)])
+            outcome = stages.policy(bound, facts)
+        except AdmissionDenied as exc:
+            raise self.deny(exc.stage, exc.reason, exc.fix, payload, ids) from None
+        payload["approval_rule"] = outcome.rule if outcome else None
+        asking = outcome is not None and outcome.action == "ask"
+        if asking and approver == "policy":
+            raise self.deny("approval", f"approval policy rule {outcome.rule!r} asks a person, and this flow run was "
+                            "started with approver='policy' (nobody is asked)",
+                            "run it with approver='pause' so a person can answer", payload, ids)
+        shares = {g.id: g.budget_share for g in chain if g.budget_share < 1}
+        usage = stages.expected_usage(request, estimate.amount)
+        if asking:
+            assert outcome is not None
+            payload.update(approval_digest=approval_digest(
+                run_key=meta.run_key, task_name=meta.task_name, parameters=args_digest, request=payload["request"],
+                est_cost=estimate.amount, currency=bound.budget.model.currency, rule=outcome.rule),
+                approvals_required=outcome.approvals_required, require_signature=outcome.require_signature,
+                timeout_seconds=outcome.timeout_seconds)
+            found = self.existing_approval(meta.flow_run_id, payload["approval_digest"]) if self.existing_approval else None
+            if found is not None:  # the re-run of a suspended run: its request holds its answer; nothing more is held
+                raise ApprovalNeeded(Admission(
+                    id=found, credential=cred.id, principal=cred.principal, tenant=cred.tenant,
+                    flow_run_id=meta.flow_run_id, task_run_id=meta.task_run_id, task_name=meta.task_name,
+                    flow_name=meta.flow_name, run_key=meta.run_key, request=request, workers=workers, holds=[],
+                    reserved=estimate.amount, priced_type=estimate.gpu_type_priced, chain=payload["chain"],
+                    expires_at=stages.earliest_expiry(chain), facts=facts, shares=shares, priority=priority,
+                    payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
+                    approval=found, approval_digest=payload["approval_digest"]), found, existing=True)
+        try:
+            held, record = self.ledger.reserve(
+                stages.lines(bound, facts, usage, shares), kind="approval-requested" if asking else "admission",
+                payload={**payload, "approval": "pending" if asking else "not required"}, **ids)
+        except BudgetExceeded as exc:
+            raise self.deny("budget", str(exc), f"an operator raises the limit of {exc.budget!r} in budget "
+                            f"{bound.budget.name!r}, or lower est_seconds/gpus/est_tokens", payload, ids) from None
+        except InvalidLedgerInput as exc:  # the ledger cannot book it (e.g. an account name too long): nothing held
+            raise self.deny("budget", exc.reason, exc.fix, payload, ids) from None
+        admission = Admission(
+            id=str(record.seq), credential=cred.id, principal=cred.principal, tenant=cred.tenant, flow_run_id=meta.flow_run_id,
+            task_run_id=meta.task_run_id, task_name=meta.task_name, flow_name=meta.flow_name, run_key=meta.run_key,
+            request=request, workers=workers, holds=held, reserved=estimate.amount, priced_type=estimate.gpu_type_priced,
+            chain=payload["chain"], expires_at=stages.earliest_expiry(chain), facts=facts, shares=shares,
+            priority=priority, payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
+            approval=uuid.uuid4().hex if asking else None, approval_digest=payload.get("approval_digest"))
+        if facts.first_of_version and meta.flow_name:
+            self.ledger.mark_flow_version(meta.flow_name, facts.flow_version or "")
+            self._versions_seen.add((meta.flow_name, facts.flow_version or ""))
+        if asking:
+            raise ApprovalNeeded(admission, admission.approval or "")
+        return admission
+
+    def _feasible(self, request: AIRequest) -> tuple[list[str], list[str]]:
+        """Feasibility against inventories at most a few seconds old; an infeasible answer is re-checked fresh."""
+        try:
+            return stages.feasibility(request, self.inventories(False))
+        except AdmissionDenied:
+            return stages.feasibility(request, self.inventories(True))
+
+    def _first_of_version(self, bound: stages.Bound, flow: str | None, version: str) -> bool:
+        """No run of this flow with this code was admitted yet; read only when a policy rule asks."""
+        if bound.policy is None or not bound.policy.model.watches_flow_versions or flow is None:
+            return False
+        if (flow, version) in self._versions_seen:
+            return False
+        if self.ledger.flow_version_seen(flow, version):
+            self._versions_seen.add((flow, version))
+            return False
+        return True
+
+    def readmit(self, admission: Admission, reason: str) -> Admission:
+        """Admit a preempted run again: authority and budget as they are now, a new hold.
+
+        A grant revoked or a budget spent while it ran ends it here, denied. An
+        approval it had covers the call and is not asked again.
+        """
+        snap = self.state.refresh()
+        payload = {"task": admission.task_name, "flow": admission.flow_name, "tenant": admission.tenant,
+                   "request": admission.request.model_dump(mode="json"), "requeued": reason}
+        cred = snap.credentials.get(admission.credential)
+        try:
+            if cred is None or cred.revoked:
+                raise AdmissionDenied("authority", f"the credential of {admission.principal!r} was revoked",
+                                      "an operator issues a new one")
+            bound = stages.configuration(snap, cred)
+            chain = stages.authority(snap, bound, admission.facts, admission.chain[-1])
+        except AdmissionDenied as exc:
+            raise self.deny(exc.stage, exc.reason, exc.fix, payload, admission.ids) from None
+        usage = stages.expected_usage(admission.request, admission.reserved)
+        try:
+            held, record = self.ledger.reserve(stages.lines(bound, admission.facts, usage, admission.shares),
+                                               kind="admission", payload={**payload, "chain": [g.id for g in chain],
+                                                                          "grant": chain[-1].id,
+                                                                          "approval": "requeued after preemption"},
+                                               **admission.ids)
+        except InvalidLedgerInput as exc:
+            raise self.deny("budget", exc.reason, exc.fix, payload, admission.ids) from None
+        except BudgetExceeded as exc:
+            raise self.deny("budget", f"{exc} (queued again after a preemption)",
+                            f"an operator raises the limit of {exc.budget!r}", payload, admission.ids) from None
+        return admission.model_copy(update={"id": str(record.seq), "holds": held})

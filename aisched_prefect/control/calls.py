@@ -1,0 +1,133 @@
+"""Calls in flight across replicas: each call is claimed by one replica, and taken over if that replica dies.
+
+Several control-plane replicas share one database. A flow's client sends a
+call to any of them and, if the replica goes away mid-call, sends the same
+call (same key: task run, attempt, admission) to another. The call book makes
+that safe: the first replica to claim a key owns it; a replica that finds the
+key owned by a live replica answers "busy" (the client waits); one that finds
+it owned by a dead replica (no heartbeat for `alive_seconds`) takes it over
+and runs the same admission again, with its holds, so a run is admitted once
+and settled once whichever replica finishes it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import sqlalchemy as sa
+
+from aisched_prefect.ledger import Ledger
+
+metadata = sa.MetaData()
+calls = sa.Table(
+    "aisched_calls", metadata,
+    sa.Column("key", sa.String(300), primary_key=True),
+    sa.Column("replica", sa.String(200), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),  # running | done
+    sa.Column("admission", sa.JSON),
+    sa.Column("reply", sa.JSON),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+replicas = sa.Table(
+    "aisched_replicas", metadata,
+    sa.Column("name", sa.String(200), primary_key=True),
+    sa.Column("url", sa.String(300), nullable=False),
+    sa.Column("heartbeat", sa.Float, nullable=False),
+)
+
+flow_runs = sa.Table(
+    "aisched_flow_runs", metadata,
+    sa.Column("flow_run_id", sa.String(64), primary_key=True),
+    sa.Column("principal", sa.String(200), nullable=False),
+)
+
+Claim = Literal["new", "takeover", "busy", "done"]
+
+
+class CallBook:
+    def __init__(self, ledger: Ledger, replica: str, url: str, alive_seconds: float = 5.0) -> None:
+        self.ledger, self.replica, self.url, self.alive_seconds = ledger, replica, url, alive_seconds
+        self._owners: dict[str, str] = {}  # flow run id -> its principal (an owner never changes)
+        metadata.create_all(ledger.engine, checkfirst=True)
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        now = time.time()
+        with self.ledger.engine.begin() as conn:
+            if conn.execute(replicas.update().where(replicas.c.name == self.replica)
+                            .values(heartbeat=now, url=self.url)).rowcount == 0:
+                conn.execute(replicas.insert().values(name=self.replica, url=self.url, heartbeat=now))
+
+    def alive(self, replica: str) -> bool:
+        with self.ledger.reader.connect() as conn:
+            beat = conn.execute(sa.select(replicas.c.heartbeat).where(replicas.c.name == replica)).scalar()
+        return beat is not None and time.time() - beat < self.alive_seconds
+
+    def owner(self, flow_run_id: str, principal: str) -> str:
+        """The principal a flow run belongs to: the first to call under its id. Another principal filing calls (and
+        so evidence) under someone else's flow run is refused by the caller of this."""
+        known = self._owners.get(flow_run_id)
+        if known is not None:
+            return known
+        if len(self._owners) > 10_000:
+            self._owners.clear()
+        self._owners[flow_run_id] = owner = self._owner(flow_run_id, principal)
+        return owner
+
+    def owner_of(self, flow_run_id: str) -> str | None:
+        """Who made calls under this flow run, or None."""
+        known = self._owners.get(flow_run_id)
+        if known is not None:
+            return known
+        with self.ledger.reader.connect() as conn:
+            return conn.execute(sa.select(flow_runs.c.principal).where(flow_runs.c.flow_run_id == flow_run_id)).scalar()
+
+    def _owner(self, flow_run_id: str, principal: str) -> str:
+        try:
+            with self.ledger.engine.begin() as conn:
+                conn.execute(flow_runs.insert().values(flow_run_id=flow_run_id, principal=principal))
+            return principal
+        except sa.exc.IntegrityError:
+            with self.ledger.reader.connect() as conn:
+                return conn.execute(sa.select(flow_runs.c.principal)
+                                    .where(flow_runs.c.flow_run_id == flow_run_id)).scalar_one()
+
+    def claim(self, key: str) -> tuple[Claim, Any]:
+        """Own `key`: new, taken over from a dead replica, busy on a live one, or already done."""
+        now = time.time()
+        try:
+            with self.ledger.engine.begin() as conn:
+                conn.execute(calls.insert().values(key=key, replica=self.replica, status="running", admission=None,
+                                                   reply=None, updated_at=now))
+            return "new", None
+        except sa.exc.IntegrityError:
+            pass
+        with self.ledger.reader.connect() as conn:
+            row = conn.execute(sa.select(calls).where(calls.c.key == key)).first()
+        if row is None:  # removed meanwhile: try once more
+            return self.claim(key)
+        if row.status == "done":
+            return "done", row
+        if row.replica == self.replica or self.alive(row.replica):
+            return "busy", row
+        with self.ledger.engine.begin() as conn:
+            taken = conn.execute(calls.update().where((calls.c.key == key) & (calls.c.replica == row.replica)
+                                                      & (calls.c.status == "running"))
+                                 .values(replica=self.replica, updated_at=now)).rowcount
+        return ("takeover" if taken == 1 else "busy"), row
+
+    def admitted(self, key: str, admission: dict[str, Any]) -> None:
+        with self.ledger.engine.begin() as conn:
+            conn.execute(calls.update().where(calls.c.key == key).values(admission=admission, updated_at=time.time()))
+
+    def done(self, key: str, reply: dict[str, Any]) -> None:
+        with self.ledger.engine.begin() as conn:
+            conn.execute(calls.update().where(calls.c.key == key)
+                         .values(status="done", reply=reply, updated_at=time.time()))
+
+    def release(self, key: str) -> None:
+        """Forget a claim whose call failed before it decided anything (bad input): the client may send it again."""
+        with self.ledger.engine.begin() as conn:
+            conn.execute(calls.delete().where((calls.c.key == key) & (calls.c.replica == self.replica)
+                                              & (calls.c.admission.is_(None))))

@@ -1,0 +1,127 @@
+"""Running a control plane: `aisched serve` (shared, operators in charge) or embedded (one flow run's own).
+
+The embedded mode is what Prefect's temporary server is to Prefect: with no
+control plane configured, the runner starts one for its flow run, hands it
+the blocks it names (on stdin) and gets back a credential bound to them. It
+has no authority boundary (the flow that starts it is its operator) and
+reaches no cluster but the local one it starts; production runs `aisched serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("aisched_prefect.control")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None = None, declared: str | None = None,
+          queue: bool = True, checkpoint_dir: str | None = None, embedded: dict[str, Any] | None = None,
+          ready: Any = None, print_ready: bool = True, dask_tls: str | None = None,
+          public_url: str | None = None) -> None:
+    """Start a control plane and serve it until SIGTERM/SIGINT."""
+    import uvicorn
+
+    from aisched_prefect.control.app import build_app
+    from aisched_prefect.control.service import ControlPlane
+    from aisched_prefect.settings import settings
+
+    config = settings()
+    sock = _listen(host, port)
+    listen_url = f"http://{host}:{sock.getsockname()[1]}"
+    base_url = (public_url or listen_url).rstrip("/")  # what approval links point people at
+    plane = ControlPlane(config, dask_address=dask_address, declared=declared, queue=queue, base_url=base_url,
+                         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                         dask_tls=Path(dask_tls) if dask_tls else None)
+    info: dict[str, Any] = {"url": listen_url, "public_url": base_url, "public_key": plane.public_key, "ledger": plane.ledger.url,
+                            "dask": plane.client.scheduler.address}
+    try:
+        if embedded is not None:
+            info["token"] = _bootstrap_embedded(plane, embedded)
+        else:
+            token_file = config.home / "operator.token"
+            if plane.bootstrap_operator(token_file) is not None:
+                info["operator_token_file"] = str(token_file)
+        server = uvicorn.Server(uvicorn.Config(build_app(plane), log_level="warning", lifespan="off",
+                                               timeout_keep_alive=30))
+
+        def _stop(*_: Any) -> None:
+            server.should_exit = True
+
+        signal.signal(signal.SIGTERM, _stop)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, _stop)
+        started = threading.Event()
+
+        def _announce() -> None:
+            while not server.started and not server.should_exit:
+                threading.Event().wait(0.02)
+            started.set()
+            if print_ready:
+                print(json.dumps(info), flush=True)
+            if ready is not None:
+                ready(info)
+
+        threading.Thread(target=_announce, daemon=True).start()
+        server.run(sockets=[sock])
+    finally:
+        plane.close()
+
+
+def _bootstrap_embedded(plane: Any, spec: dict[str, Any]) -> str:
+    """Apply the blocks the flow named and issue its credential: the flow run is this plane's operator."""
+    by = f"embedded:{os.getpid()}"
+    names: dict[str, str | None] = {}
+    for kind, item in spec.get("configs", {}).items():
+        if item is None:
+            names[kind] = None
+            continue
+        plane.apply(by, kind, item["name"], item["body"])
+        names[kind] = item["name"]
+    token, _ = plane.issue(by, principal=spec["principal"], tenant=spec["tenant"], role="flow",
+                           authority=names.get("authority"), budget=names.get("budget"),
+                           policy=names.get("policy"), cluster=names.get("cluster"))
+    return token
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m aisched_prefect.control.server")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--dask-address", default=None)
+    parser.add_argument("--dask-tls", default=None, help="directory with ca.pem, client.pem, client.key")
+    parser.add_argument("--public-url", default=None, help="the URL people reach this control plane at")
+    parser.add_argument("--declared", default=None)
+    parser.add_argument("--queue", action="store_true", default=True,
+                        help="every GPU run waits in the cluster's one queue (the default)")
+    parser.add_argument("--no-queue", dest="queue", action="store_false",
+                        help="hand GPU runs to Dask directly (Dask's resources, no fairness across flows)")
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--embedded", action="store_true", help="read the flow's blocks on stdin (JSON)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    embedded = json.loads(sys.stdin.readline()) if args.embedded else None
+    serve(host=args.host, port=args.port, dask_address=args.dask_address, declared=args.declared, queue=args.queue,
+          checkpoint_dir=args.checkpoint_dir, embedded=embedded, dask_tls=args.dask_tls, public_url=args.public_url)
+
+
+if __name__ == "__main__":
+    main()

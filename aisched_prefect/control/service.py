@@ -1,0 +1,665 @@
+"""The control plane: the one process that holds authority, money and evidence, and the only Dask client.
+
+`ControlPlane` owns, in one ExitStack: the ledger (its database credentials),
+the signing key (tickets and checkpoints), the folded authority state, the
+Dask client (and the local cluster when it starts one), the admitter, the
+dispatcher, the approval book and the watcher. The HTTP app (app.py) is a thin
+shell over its methods; every method takes the caller's proven credential.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    load_pem_private_key,
+)
+
+from aisched_prefect.approvals import ApprovalDecision
+from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
+from aisched_prefect.control.approvals import ApprovalBook, ApprovalError
+from aisched_prefect.control import records
+from aisched_prefect.control.calls import CallBook
+from aisched_prefect.control.dispatch import Dispatcher, denied, emit_budget_alert
+from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
+from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
+from aisched_prefect.control.watcher import Watcher
+from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest
+from aisched_prefect.ledger import Ledger
+from aisched_prefect.request import AIRequest
+from aisched_prefect.settings import Settings
+from aisched_prefect.wire import ApprovalView, CallMeta, Reply
+from blocks import ChainBroken, DelegationRefused, Grant, delegate
+from dask_gpu import LocalGPUCluster
+from dask_gpu.security import ClusterTLS
+from dask_gpu.sandbox import Body
+from dask_gpu.limits import install_limits
+from dask_gpu.tickets import TicketSigner, digest, install_registry
+
+logger = logging.getLogger("aisched_prefect.control")
+
+
+def _roots_in(snap: Any, authority: Applied, grant_id: str) -> bool:
+    """Whether `grant_id` was delegated under `authority`."""
+    return grant_id in snap.delegated_in(authority)
+
+
+def _who(cred: Credential) -> str:
+    """A flow's identity across authorities: one principal name may be issued under several."""
+    return f"{cred.authority}:{cred.principal}"
+
+
+def _owns(cred: Credential, adm: Admission) -> bool:
+    return cred.principal == adm.principal and cred.authority == adm.authority
+
+
+class _Early(Exception):
+    """A call that ends at admission (denied, or waiting for a person): its reply."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+
+
+class Busy(AISchedError):
+    """The call is in flight on another live replica: the client waits and sends it again."""
+
+    status = 409
+
+
+class Unauthorized(AISchedError):
+    """A caller without a valid credential, or with one that may not do this."""
+
+    def __init__(self, message: str, status: int = 401) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+def write_private(path: Path, data: bytes, *, force: bool = False) -> None:
+    """Write a secret readable by its owner only (0600); never replace one unless told to."""
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists: pass --force to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)
+
+
+def load_or_make_key(path: Path) -> Ed25519PrivateKey:
+    """The control plane's signing key: made once, kept 0600; replicas share the file."""
+    if path.exists():
+        key = load_pem_private_key(path.read_bytes(), password=None)
+        if not isinstance(key, Ed25519PrivateKey):
+            raise AISchedError(f"{path} is not an Ed25519 private key. Fix: remove it to make a new one")
+        return key
+    key = Ed25519PrivateKey.generate()
+    write_private(path, key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+    return key
+
+
+class ControlPlane:
+    """Admission, dispatch, settlement, approvals, authority and evidence for every flow that calls it."""
+
+    def __init__(self, settings: Settings, *, dask_address: str | None = None, declared: str | None = None,
+                 queue: bool = True, base_url: str = "", checkpoint_dir: Path | None = None,
+                 key_path: Path | None = None, replica: str | None = None, dask_tls: Path | None = None) -> None:
+        self.settings = settings
+        self.base_url = base_url
+        self.replica = replica or f"{os.uname().nodename}-{os.getpid()}"
+        self.checkpoint_dir = checkpoint_dir
+        self._drift_seen: set[tuple[str, str, str]] = set()
+        self._checkpointed = -1
+        self._signed: tuple[int, str] = (0, "")
+        self._day_reported = -1
+        self._stack = ExitStack()
+        try:
+            self.key = load_or_make_key(key_path or settings.home / "control.key")
+            self.signer = TicketSigner(self.key)
+            # Every record it writes is signed: a record in its log that it did not write is told apart.
+            self.ledger = Ledger(settings.ledger(), lease_seconds=settings.hold_lease_seconds, on_alert=emit_budget_alert,
+                                 signer=self.signer.sign)
+            self._stack.callback(self.ledger.close)
+            self.state = AuthorityState(self.ledger, trusted=[self.signer.public_key])
+            self.state.refresh()
+            self.cluster: LocalGPUCluster | None = None
+            from distributed import Client
+
+            # Only the control plane holds the cluster's client certificate: no other process can connect.
+            tls = ClusterTLS.load_or_create(dask_tls or settings.home / "tls") if dask_tls or not dask_address else None
+            if dask_address:
+                security = tls.security("client") if tls is not None else None
+                self.client = Client(dask_address, set_as_default=False, security=security)
+            else:
+                assert tls is not None
+                self.cluster = LocalGPUCluster(declared=declared, trusted_keys=[self.signer.public_key.hex()], tls=tls)
+                self._stack.callback(self.cluster.close)
+                self.client = Client(self.cluster.scheduler_address, set_as_default=False,
+                                     security=tls.security("client"))
+            self._stack.callback(self.client.close)
+            install_registry(self.client)
+            install_limits(self.client)  # per-model call limits, where the queue lives
+            self.queue = queue
+            if queue:
+                from dask_gpu import install_queue
+
+                install_queue(self.client, weights=self.tenant_weights())
+            self.dispatcher = Dispatcher(self.client, self.signer, self.ledger, self.state, settings, queue=queue)
+            self.admitter = Admitter(self.ledger, self.state, self.dispatcher.inventories, self.replica)
+            self.approvals = ApprovalBook(self.ledger, self.state, base_url)
+            self.admitter.existing_approval = self.approvals.find
+            self.calls = CallBook(self.ledger, self.replica, base_url)
+            chores = [(settings.drift_seconds, self.record_drift),
+                      (min(settings.hold_lease_seconds / 3, 30.0), self.approvals.tend),  # holds of waiting requests
+                      (settings.day_report_seconds, self.publish_day_report)]
+            if checkpoint_dir is not None:
+                chores.append((settings.checkpoint_seconds, self.checkpoint_if_moved))
+            self.watcher = Watcher(self.dispatcher, self.state, settings, heartbeat=self.calls.heartbeat,
+                                   periodic=chores)
+            self.watcher.start()
+            self._stack.callback(self.watcher.close)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def close(self) -> None:
+        self._stack.close()
+
+    @property
+    def public_key(self) -> str:
+        return self.signer.public_key.hex()
+
+    # -- identity -------------------------------------------------------------------------
+    def authenticate(self, token: str | None, *roles: Role) -> Credential:
+        if not token:
+            raise Unauthorized("no credential: send `Authorization: Bearer <token>` (AISCHED_TOKEN for flows, "
+                               "AISCHED_OPERATOR_TOKEN for operators)")
+        parsed = parse_token(token)
+        if parsed is None:
+            raise Unauthorized("the credential is not an aisched token (ais_<id>_<secret>)")
+        snap = self.state.snapshot
+        cred = snap.credentials.get(parsed[0])
+        if cred is None:
+            cred = self.state.refresh().credentials.get(parsed[0])
+        if cred is None or not cred.matches(token):
+            raise Unauthorized("unknown or revoked credential. Fix: an operator issues one with `aisched credentials issue`")
+        if roles and cred.role not in roles:
+            raise Unauthorized(f"a {cred.role} credential may not do this (needs {' or '.join(roles)})", 403)
+        return cred
+
+    def issue(self, by: str, *, principal: str, tenant: str, role: Role, **bindings: str | None) -> tuple[str, Credential]:
+        """A new credential; its hash (never the token) becomes an evidence record."""
+        if role != "operator" and (not principal or principal != principal.strip() or set("*?[") & set(principal)):
+            raise AISchedError(f"principal {principal!r}: name exactly one principal, e.g. 'team-a/nightly'")
+        token, cred = new_credential(principal=principal, tenant=tenant, role=role, created_by=by, **bindings)
+        records.record(self.ledger, records.CredentialIssued(credential=cred, by=by), principal=by)
+        self.state.refresh()
+        return token, cred
+
+    def revoke_credential(self, by: str, credential_id: str) -> None:
+        if credential_id not in self.state.refresh().credentials:
+            raise AISchedError(f"no credential {credential_id!r}")
+        records.record(self.ledger, records.CredentialRevoked(id=credential_id, by=by), principal=by)
+        self.state.refresh()
+
+    def bootstrap_operator(self, path: Path) -> str | None:
+        """The first operator credential of a fresh control plane, written 0600 to `path`; None if one exists."""
+        if any(c.role == "operator" and not c.revoked for c in self.state.refresh().credentials.values()):
+            return None
+        token, _ = self.issue("bootstrap", principal="operator", tenant="operators", role="operator")
+        write_private(path, token.encode(), force=True)
+        return token
+
+    # -- configuration ----------------------------------------------------------------------
+    def apply(self, by: str, kind: str, name: str, body: dict[str, Any]) -> Applied:
+        """Apply a block's content: from now on it is what admission reads. Same content: nothing changes."""
+        cls = CONFIG_KINDS.get(kind)
+        if cls is None:
+            raise AISchedError(f"kind {kind!r}: apply one of {sorted(CONFIG_KINDS)}")
+        try:
+            model = cls.model_validate(body)
+        except Exception as exc:
+            raise AISchedError(f"{kind} {name!r} is not valid: {exc}") from None
+        if kind == "authority":
+            problems = model.problems()
+            if problems:
+                raise AISchedError(f"authority {name!r} cannot be applied: " + "; ".join(problems))
+        canonical = json.loads(model.model_dump_json(include=set(cls.model_fields)))
+        digest_ = content_digest(canonical)
+        current = self.state.refresh().config(kind, name)
+        if self.state.broken is not None:
+            raise AISchedError(f"the evidence log is broken ({self.state.broken}): nothing is applied until it is "
+                               "restored. Fix: investigate the database (aisched evidence verify --checkpoint DIR)")
+        if current is not None and current.digest == digest_:
+            return current
+        version = (current.version if current else 0) + 1
+        records.record(self.ledger, records.ConfigApplied(config_kind=kind, name=name, version=version, digest=digest_,
+                                                          body=canonical, by=by), principal=by)
+        applied = self.state.refresh().config(kind, name)
+        assert applied is not None
+        if kind in ("budget", "authority"):  # a lowered limit applies to the next reservation, in every process
+            self._apply_limits(by)
+        if kind == "cluster":  # its tenant weights reach the queue now (model limits are read per call)
+            self._set_queue_weights()
+        return applied
+
+    def tenant_weights(self) -> dict[str, float]:
+        """The queue's tenant weights: every applied ClusterBlock's `tenant_weights`, the latest applied winning
+        where two name the same tenant (a tenant none names weighs 1)."""
+        out: dict[str, float] = {}
+        clusters = [a for (k, _), a in self.state.snapshot.configs.items() if k == "cluster"]
+        for applied in sorted(clusters, key=lambda a: a.seq):
+            out.update(applied.model.tenant_weights)
+        return out
+
+    def _set_queue_weights(self) -> None:
+        if not self.queue:
+            return
+        from dask_gpu import install_queue
+
+        try:
+            install_queue(self.client, weights=self.tenant_weights())
+        except Exception:
+            logger.exception("could not set the tenant weights on the cluster's queue")
+
+    def _apply_limits(self, by: str) -> None:
+        """Tell the ledger the limits of every applied budget at its version (see stages.config_version).
+
+        Grant-share accounts (`<account>#<grant>`) are set by the lines of the runs that use them."""
+        from aisched_prefect.control import stages
+
+        snap = self.state.snapshot
+        for (kind, name), budget in snap.configs.items():
+            if kind != "budget":
+                continue
+            authorities = [a.version for (k, _), a in snap.configs.items() if k == "authority"]
+            version = budget.version + max(authorities, default=0)
+            self.ledger.apply_limits(budget.model.limit_lines(name, config_version=version), version, by=by)
+
+    # -- grants -----------------------------------------------------------------------------
+    def delegate(self, caller: Credential, parent: str, *, id: str, principal: str, authority: str | None = None,
+                 **dimensions: Any) -> Grant:
+        """Delegate from `parent` to `principal`: only a holder of `parent` (or an operator) may.
+
+        A flow's or approver's credential delegates under the authority it is bound to; an
+        operator names the authority (`authority=`).
+        """
+        from aisched_prefect.control import stages
+
+        snap = self.state.refresh()
+        name = authority if caller.role == "operator" else caller.authority
+        applied = snap.config("authority", name)
+        if applied is None:
+            raise DelegationRefused("authority", f"no authority {name!r} is applied on this control plane")
+        authority_ = applied
+        try:
+            if id in snap.index(authority_).roots or id in snap.delegated_in(authority_):
+                raise DelegationRefused("id", f"a grant {id!r} already exists: choose another id")
+            chain = stages.chain_of(snap, authority_, parent)
+            if caller.role != "operator" and parent not in {g.id for g in snap.grants_of(authority_, caller.principal)}:
+                raise DelegationRefused("by", f"{caller.principal!r} does not hold grant {parent!r}: only its holder "
+                                        "(or an operator) may delegate from it")
+            child = delegate(chain[-1], id=id, principal=principal, **dimensions)
+        except (DelegationRefused, ChainBroken) as exc:
+            self.ledger.record("delegation-refused", {
+                "parent": parent, "grant": id, "to": principal, "by": caller.principal, "reason": str(exc),
+                "dimension": getattr(exc, "dimension", "chain"),
+                "asked": {k: v.isoformat() if hasattr(v, "isoformat") else v for k, v in dimensions.items()},
+            }, principal=caller.principal)
+            raise
+        records.record(self.ledger, records.Delegation(grant=child, by=caller.principal, authority=authority_.name),
+                       principal=caller.principal)
+        self.state.refresh()
+        return child
+
+    def revoke(self, caller: Credential, grant_id: str, reason: str, authority: str | None = None) -> bool:
+        """Revoke a grant and everything below it: an operator, or the holder of a grant above it, may.
+
+        Grant ids are unique within one authority, so a revocation names its authority: the
+        caller's own, or (operators) the one that holds the grant (`authority=` where several do).
+        """
+        from aisched_prefect.control import stages
+
+        snap = self.state.refresh()
+        if caller.role == "operator":
+            holders = [a for (k, n), a in snap.configs.items() if k == "authority" and (authority is None or n == authority)
+                       and (grant_id in snap.index(a).roots or _roots_in(snap, a, grant_id))]
+            if len(holders) != 1:
+                raise AISchedError(f"grant {grant_id!r} is in {len(holders)} applied authorities"
+                                   f"{' (' + ', '.join(a.name for a in holders) + ')' if holders else ''}. "
+                                   "Fix: name one with authority=")
+            applied = holders[0]
+        else:
+            applied = snap.config("authority", caller.authority)
+            held = {g.id for g in snap.grants_of(applied, caller.principal)} if applied else set()
+            try:
+                ancestors = {g.id for g in stages.chain_of(snap, applied, grant_id)[:-1]} if applied else set()
+            except ChainBroken:
+                ancestors = set()
+            if applied is None or not held & ancestors:
+                raise Unauthorized(f"{caller.principal!r} holds no grant above {grant_id!r}: only an operator or the "
+                                   "grant's delegator may revoke it", 403)
+        if (applied.name, grant_id) in snap.revoked:
+            return False
+        records.record(self.ledger, records.Revocation(grant=grant_id, authority=applied.name, by=caller.principal,
+                                                       reason=reason), principal=caller.principal)
+        self.state.refresh()
+        return True
+
+    # -- calls --------------------------------------------------------------------------------
+    def call(self, cred: Credential, meta: CallMeta, blob: bytes) -> tuple[Reply, bytes]:
+        """Admit one call (or continue it once approved), run it, settle it."""
+        if cred.role != "flow":
+            raise Unauthorized("only a flow's credential runs AI tasks", 403)
+        request = AIRequest.build(**meta.request)
+        if not 0 < meta.args_offset <= len(blob):
+            raise InvalidAIRequest("args_offset is outside the body: the call is malformed")
+        payload_digest = digest(blob)
+        args_digest = digest(blob[meta.args_offset:])
+        owner = self.calls.owner(meta.flow_run_id, _who(cred))
+        if owner != _who(cred):
+            raise Unauthorized(f"flow run {meta.flow_run_id} belongs to {owner!r}: a flow files its calls under its "
+                               "own flow run", 403)
+        key = f"{meta.task_run_id}/{meta.attempt}" + (f"/{meta.admission}" if meta.admission else "")
+        claim, row = self.calls.claim(key)
+        if claim == "busy":
+            raise Busy(f"this call is running on replica {row.replica}: wait for it (the client retries)")
+        if claim == "done":  # its reply was lost in transit: say so, never run it twice
+            old = Reply.model_validate(row.reply)
+            if old.status != "completed":
+                return old, b""
+            return Reply(status="failed", admission=old.admission, error_type="aisched_prefect.ResultLost",
+                         error_message="the call completed (and was charged once) but its result was lost with the "
+                         "connection; retry the task to run it again"), b""
+        try:
+            if claim == "takeover" and row.admission is not None:
+                admission = Admission.model_validate(row.admission)
+                records.record(self.ledger, records.AttemptLost(task=admission.task_name, admission=admission.id,
+                                                                replica=row.replica, taken_over_by=self.replica),
+                               **admission.ids)
+            else:
+                admission = self._admit(cred, meta, request, payload_digest, args_digest)
+        except _Early as early:
+            self.calls.done(key, early.reply.model_dump(mode="json"))
+            return early.reply, b""
+        except BaseException:
+            self.calls.release(key)
+            raise
+        self.calls.admitted(key, admission.model_dump(mode="json"))
+        reply, out = self.dispatcher.execute(admission, Body(payload=blob, modules=meta.modules), self.admitter)
+        self.calls.done(key, reply.model_dump(mode="json"))
+        return reply, out
+
+    def _admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str,
+               args_digest: str) -> Admission:
+        """A new admission, or the one an approval allows; an outcome that ends the call here raises _Early."""
+        try:
+            if meta.admission is not None:
+                return self._continue(cred, meta, payload_digest)
+            return self.admitter.admit(cred, meta, request, payload_digest, args_digest, meta.approver)
+        except AdmissionDenied as exc:
+            raise _Early(denied(exc.stage, exc.reason, exc.fix)) from None
+        except ApprovalNeeded as need:
+            raise _Early(self._ask(need)) from None
+
+    def _ask(self, need: ApprovalNeeded) -> Reply:
+        adm = need.admission
+        if need.existing:  # the re-run of a suspended deployment run: its request holds its answer
+            return Reply(status="approval-pending", admission=need.approval_id,
+                         approval=self.approvals.view(need.approval_id))
+        rec = self.ledger.records_about(adm.task_run_id)
+        payload = next(r.payload for r in reversed(rec) if r.kind == "approval-requested" and str(r.seq) == adm.id)
+        currency = self.dispatcher._bound(adm).budget.model.currency
+        view = self.approvals.create(adm, payload, currency)
+        self._announce("aisched.approval.requested", view)
+        return Reply(status="approval-pending", admission=view.id, approval=view)
+
+    def _continue(self, cred: Credential, meta: CallMeta, payload_digest: str) -> Admission:
+        """The one execution an approval allows, after a fresh authority check; the caller must be the requester."""
+        assert meta.admission is not None
+        admission = self.approvals.admission(meta.admission)
+        if not _owns(cred, admission):
+            raise Unauthorized("this approval belongs to another principal", 403)
+        if admission.payload_digest != payload_digest:
+            raise AdmissionDenied("approval", "the call's body or arguments differ from what was approved",
+                                  "run the flow again to ask for this call")
+        view, admission = self.approvals.consume(meta.admission)
+        admission = admission.model_copy(update={"task_run_id": meta.task_run_id})
+        snap = self.state.refresh()
+        from aisched_prefect.control import stages
+
+        try:
+            stages.authority(snap, stages.configuration(snap, cred), admission.facts, admission.chain[-1])
+        except AdmissionDenied as exc:  # approved, but its authority ended while it waited: denied, and recorded
+            self.dispatcher.settle(admission, None, {"outcome": "revoked-while-waiting", "approval": view.id})
+            raise self.admitter.deny(exc.stage, exc.reason, exc.fix, {
+                "task": admission.task_name, "flow": admission.flow_name, "tenant": admission.tenant,
+                "request": admission.request.model_dump(mode="json"), "chain": admission.chain,
+                "approval": view.id, "approved_by": view.approved_by}, admission.ids) from None
+        if self.approvals._row(meta.admission).suspended:  # its holds were released while it waited: hold again
+            admission = self.admitter.readmit(admission, "approved after suspension")
+        self.ledger.record("admission", {"task": admission.task_name, "flow": admission.flow_name,
+                                         "tenant": admission.tenant, "request": admission.request.model_dump(mode="json"),
+                                         "approval": ", ".join(view.approved_by), "approval_id": view.id,
+                                         "holds": [h.model_dump() for h in admission.holds], "chain": admission.chain,
+                                         "grant": admission.chain[-1]}, **admission.ids)
+        return admission
+
+    def _announce(self, event: str, view: ApprovalView) -> None:
+        """A Prefect event for every approval request, so automations can notify people (when Prefect is reachable)."""
+        if not os.environ.get("PREFECT_API_URL"):
+            return
+        try:
+            from prefect.events import emit_event
+
+            emit_event(event=event, resource={"prefect.resource.id": f"aisched.approval.{view.id}",
+                                              "prefect.resource.name": view.task_name, "aisched.principal": view.principal,
+                                              "aisched.rule": str(view.rule)},
+                       payload={"digest": view.digest, "est_cost": view.est_cost, "url": view.url})
+        except Exception:
+            logger.exception("could not emit %s", event)
+
+    # -- approvals ----------------------------------------------------------------------------
+    def approval(self, caller: Credential, approval_id: str, wait: float = 0.0) -> ApprovalView:
+        deadline = time.monotonic() + min(wait, self.settings.approval_wait_seconds)
+        while True:
+            view = self.approvals.view(approval_id)
+            if caller.role == "flow" and not _owns(caller, self.approvals.admission(approval_id)):
+                raise Unauthorized("this approval belongs to another principal", 403)
+            if view.status not in ("pending", "suspended") or time.monotonic() >= deadline:
+                return view
+            time.sleep(0.2)
+
+    def answer(self, caller: Credential | None, approval_id: str, decision: ApprovalDecision,
+               items: list[str] | tuple[str, ...] = ()) -> ApprovalView:
+        """Count an answer to one request, or to it and `items` together (one flow run's requests, a `.map()`):
+        every item is proved first, so a batch counts whole or not at all."""
+        ids = list(dict.fromkeys([approval_id, *items]))
+        batch = ids if len(ids) > 1 else None
+        if batch is not None:
+            first = self.approvals.view(approval_id)
+            for i in ids[1:]:
+                other = self.approvals.view(i)
+                if (other.flow_run_id, other.principal) != (first.flow_run_id, first.principal):
+                    raise ApprovalError(f"approval {i} is not a request of flow run {first.flow_run_id}: one answer "
+                                        "covers requests of one flow run", 400)
+            for i in ids:
+                self.approvals.check(i, decision, caller, batch)
+        views = [self.approvals.answer(i, decision, caller, batch) for i in ids]
+        decided = [v for v in views if v.status in ("approved", "rejected")]
+        for view in decided:
+            self._announce("aisched.approval.decided", view)
+        if decided and len(decided) == len(views):  # one resume per flow run, once all are decided
+            self._resume_if_suspended(decided[0], decision)
+        return views[0]
+
+    def _resume_if_suspended(self, view: ApprovalView, decision: ApprovalDecision) -> None:
+        """A suspended deployment run waits for Prefect to resume it: do it, now that the answer is recorded."""
+        if not self.approvals._row(view.id).suspended or not os.environ.get("PREFECT_API_URL"):
+            return
+        try:
+            from prefect.flow_runs import resume_flow_run
+
+            resume_flow_run(view.flow_run_id, run_input={"approve": view.status == "approved",
+                                                         "approver": view.decided_by or "", "reason": decision.reason})
+        except Exception:
+            logger.exception("could not resume suspended flow run %s", view.flow_run_id)
+
+    # -- the cluster ----------------------------------------------------------------------------
+    @property
+    def version(self) -> str:
+        from importlib.metadata import version
+
+        return version("aisched-prefect")
+
+    def cluster_view(self) -> dict[str, Any]:
+        """Workers, their devices and holders, with each holder named by its run (task, principal, tenant)."""
+        from dask_gpu import cluster_view
+
+        with self.dispatcher.lock:  # a gang's members are each a Dask key of their own: each names the run
+            runs = {dk: {"task": r.admission.task_name, "principal": r.admission.principal, "tenant": r.admission.tenant,
+                         "task_run_id": r.admission.task_run_id, **({"member": i} if r.members else {})}
+                    for r in self.dispatcher.running.values() for i, dk in enumerate(r.dask_keys)}
+        workers = []
+        for w in cluster_view(self.client):
+            workers.append({**w.model_dump(mode="json"), "free": w.free(),
+                            "runs": {k: {**runs.get(k, {"task": k}), "devices": devs} for k, devs in w.held.items()}})
+        return {"dask": self.client.scheduler.address, "workers": workers}
+
+    # -- evidence -----------------------------------------------------------------------------
+    def record_drift(self) -> list[dict[str, Any]]:
+        """Blocks edited in Prefect but not applied: recorded once per content, and ignored.
+
+        A flow that rewrites its AuthorityBlock through Prefect's API changes what the
+        UI shows, not what is enforced; the record says so, and an operator sees it.
+        """
+        if not os.environ.get("PREFECT_API_URL"):
+            return []
+        from aisched_prefect.control.state import CONFIG_KINDS, block_body
+
+        snap = self.state.refresh()
+        found = []
+        for (kind, name), applied in snap.configs.items():
+            try:
+                body = block_body(CONFIG_KINDS[kind].load(name))
+            except Exception:  # no such block in Prefect (applied from elsewhere), or Prefect is down
+                continue
+            canonical = json.loads(CONFIG_KINDS[kind].model_validate(body).model_dump_json(
+                include=set(CONFIG_KINDS[kind].model_fields)))
+            edited = content_digest(canonical)
+            key = (kind, name, edited)
+            if edited == applied.digest or key in self._drift_seen:
+                continue
+            self._drift_seen.add(key)
+            item = records.ConfigDrift(config_kind=kind, name=name, applied_version=applied.version,
+                                       applied_digest=applied.digest, block_digest=edited)
+            records.record(self.ledger, item)
+            logger.warning("%s block %r was edited in Prefect but not applied: ignored (aisched apply --%s %s)",
+                           kind, name, kind, name)
+            found.append(item.model_dump())
+        return found
+
+    def publish_day_report(self) -> None:
+        """The day's usage artifact, on a schedule (it reads the whole day), when anything new was recorded."""
+        if not os.environ.get("PREFECT_API_URL"):
+            return
+        import sqlalchemy as sa
+
+        from aisched_prefect.ledger import chain_head
+        from aisched_prefect.usage_report import publish_day_artifact
+
+        with self.ledger.reader.connect() as conn:
+            head = conn.execute(sa.select(chain_head.c.seq)).scalar() or 0
+        if head != self._day_reported:
+            publish_day_artifact(self.ledger)
+            self._day_reported = head
+
+    def checkpoint_if_moved(self) -> None:
+        import sqlalchemy as sa
+
+        from aisched_prefect.ledger import chain_head
+
+        with self.ledger.reader.connect() as conn:
+            head = conn.execute(sa.select(chain_head.c.seq)).scalar() or 0
+        if head != self._checkpointed:
+            self._checkpointed = self.checkpoint()["seq"]
+
+    def _last_signed(self) -> tuple[int, str]:
+        """The newest head this control plane signed: its published checkpoint (outside the database), else what
+        this process signed last, else the start of the log."""
+        if self.checkpoint_dir is not None and (self.checkpoint_dir / "latest.json").exists():
+            data = json.loads((self.checkpoint_dir / "latest.json").read_text())
+            if data.get("public_key") == self.public_key:
+                return max((int(data["seq"]), str(data["hash"])), self._signed)
+        return self._signed
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Sign the head of the log and publish it outside the database (when a directory is configured).
+
+        Only a log that still extends the last signed head is signed: a rewritten history (even one
+        rechained so that it verifies on its own) is refused here, loudly, instead of being blessed.
+        """
+        import sqlalchemy as sa
+
+        from aisched_prefect.evidence import extends
+        from aisched_prefect.ledger import evidence
+
+        seq, hash_ = self._last_signed()
+        with self.ledger.reader.connect() as conn:
+            rows = conn.execute(sa.select(evidence).where(evidence.c.seq >= max(seq, 1)).order_by(evidence.c.seq)).all()
+        from aisched_prefect.evidence import EvidenceRecord
+
+        problem = extends([EvidenceRecord.model_construct(**r._mapping) for r in rows], seq, hash_)
+        if problem is not None:
+            logger.critical("NOT signing the evidence log: %s", problem)
+            raise AISchedError(f"the evidence log no longer extends the last signed checkpoint: {problem}. Fix: "
+                               "investigate the database (aisched evidence verify --checkpoint DIR), restore it, "
+                               "then sign again")
+        cp = self.ledger.checkpoint(self.key)
+        self._signed = max(self._signed, (cp.seq, cp.hash))
+        out = {**cp.model_dump(), "public_key": self.public_key}
+        if self.checkpoint_dir is not None:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            body = json.dumps(out, sort_keys=True).encode()
+            (self.checkpoint_dir / f"checkpoint-{cp.seq:012d}.json").write_bytes(body)
+            (self.checkpoint_dir / "latest.json").write_bytes(body)
+        return out
+
+    def publish_usage(self, caller: Credential, flow_run_id: str) -> dict[str, Any]:
+        """Publish the flow run's usage artifact (the ledger is here, not in the flow process); it reads only that
+        flow run's records, so a flow run's end costs the same however much the day holds."""
+        self._own_flow_run(caller, flow_run_id)
+        if not os.environ.get("PREFECT_API_URL"):
+            return {"published": [], "reason": "this control plane has no PREFECT_API_URL"}
+        from aisched_prefect.usage_report import publish_flow_run_artifact
+
+        try:
+            return {"published": [publish_flow_run_artifact(self.ledger, flow_run_id)]}
+        except Exception as exc:  # said to the caller, who logs it; never fails its flow
+            logger.exception("could not publish the usage report artifacts of flow run %s", flow_run_id)
+            err = AISchedError(f"the control plane could not publish them to Prefect at {os.environ['PREFECT_API_URL']} "
+                               f"({type(exc).__name__}: {exc})")
+            err.status = 502  # type: ignore[attr-defined]
+            raise err from None
+
+    def flow_run_records(self, caller: Credential, flow_run_id: str) -> list[Any]:
+        self._own_flow_run(caller, flow_run_id)
+        return self.ledger.records(flow_run_id)
+
+    def _own_flow_run(self, caller: Credential, flow_run_id: str) -> None:
+        """A flow reads and publishes only the flow runs it made its calls under (operators: any)."""
+        if caller.role == "operator":
+            return
+        owner = self.calls.owner_of(flow_run_id)
+        if owner != _who(caller):
+            raise Unauthorized(f"{caller.principal!r} ran nothing in flow run {flow_run_id}", 403)
+

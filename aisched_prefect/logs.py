@@ -1,0 +1,42 @@
+"""Expected outcomes read as such: a denial or a suspension for approval is one WARNING line, not a crash.
+
+Prefect logs every exception that ends a task or flow run at ERROR with its
+traceback. A run denied at admission (with its reason and fix in the message)
+or suspended to wait for a person is not a crash: a filter on Prefect's run
+loggers turns those records into one WARNING line each. The run's state is
+unchanged (a denied task run is still Failed, so nothing downstream mistakes
+it for a result).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended
+
+EXPECTED = (AdmissionDenied, ApprovalSuspended)
+_NAMES = tuple(cls.__name__ for cls in EXPECTED)
+RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
+
+
+class ExpectedOutcome(logging.Filter):
+    """Lower records about a denial or a suspension to one WARNING line, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, EXPECTED) or (record.levelno >= logging.ERROR and any(
+                f"{name}(" in str(record.msg) or f"{name}:" in str(record.msg) for name in _NAMES)):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+_filter = ExpectedOutcome()
+
+
+def quiet_expected_outcomes() -> None:
+    """Install the filter on Prefect's run loggers (once per process)."""
+    for name in RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if _filter not in logger.filters:
+            logger.addFilter(_filter)

@@ -1,0 +1,105 @@
+"""What crosses between a flow process and the control plane: typed messages and one binary frame.
+
+A call carries JSON metadata and the pickled body (function and arguments)
+side by side; the reply carries JSON metadata and the pickled result. The
+control plane reads the metadata and never unpickles either blob.
+
+>>> meta, blob = unframe(frame(b'{"a": 1}', b"xyz"))
+>>> (meta, blob)
+(b'{"a": 1}', b'xyz')
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FRAME = "application/x-aisched-frame"
+_LEN = struct.Struct(">I")
+
+
+def frame(meta: bytes, blob: bytes = b"") -> bytes:
+    return _LEN.pack(len(meta)) + meta + blob
+
+
+def unframe(data: bytes) -> tuple[bytes, bytes]:
+    if len(data) < _LEN.size:
+        raise ValueError("empty frame")
+    (n,) = _LEN.unpack_from(data)
+    if n > len(data) - _LEN.size:
+        raise ValueError("frame shorter than its header says")
+    return data[_LEN.size:_LEN.size + n], data[_LEN.size + n:]
+
+
+class CallMeta(BaseModel):
+    """One call of an AI task, as the flow process describes it. Nothing here is trusted for authority:
+    who calls comes from the credential, what it may do from the control plane's applied configuration."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_name: str = Field(min_length=1, max_length=200)
+    task_run_id: str = Field(min_length=1, max_length=64)
+    flow_run_id: str = Field(min_length=1, max_length=64)
+    flow_name: str | None = Field(default=None, max_length=200)
+    run_key: str = Field(min_length=1, max_length=300)
+    request: dict[str, Any]
+    code_digest: str = Field(min_length=64, max_length=64)
+    modules: list[str] = Field(default_factory=list, max_length=16)
+    args_offset: int = Field(default=0, ge=0)  # where the function's pickle ends and the arguments' begin
+    grant: str | None = Field(default=None, max_length=200)
+    approver: Literal["pause", "policy"] = "pause"
+    admission: str | None = None  # continue this admission once its approval is decided
+    attempt: int = Field(default=1, ge=1)
+
+
+class ApprovalView(BaseModel):
+    """A pending or decided approval, as the control plane's records say (never as a flow says)."""
+
+    id: str
+    status: Literal["pending", "approved", "rejected", "expired", "suspended", "consumed"]
+    digest: str
+    task_name: str
+    task_run_id: str
+    flow_run_id: str
+    principal: str
+    rule: str | None = None
+    est_cost: float = 0.0
+    currency: str = "USD"
+    request: dict[str, Any] = {}
+    chain: list[str] = []
+    deadline: float
+    timeout_seconds: int
+    approvals_required: int = 1
+    require_signature: bool = False
+    approved_by: list[str] = []
+    decided_by: str | None = None
+    reason: str = ""
+    url: str = ""
+    describe: str = ""
+
+
+class Reply(BaseModel):
+    """How a call ended, or why it is waiting."""
+
+    status: Literal["completed", "failed", "stopped", "denied", "approval-pending"]
+    admission: str | None = None
+    stage: str | None = None
+    reason: str = ""
+    fix: str = ""
+    approval: ApprovalView | None = None
+    error_type: str = ""
+    error_message: str = ""
+    error_text: str = ""
+    logs: list[tuple[int, str]] = []
+    placement: dict[str, Any] = {}
+    charged: dict[str, float] = {}
+
+
+class Problem(BaseModel):
+    """An error the control plane answers with: what was wrong and how to fix it."""
+
+    error: str
+    field: str | None = None
+    fix: str = ""

@@ -1,0 +1,192 @@
+"""The one Dask task function of admitted work: check the ticket, hold devices, run the body in its own process.
+
+`run_ticketed` is what the control plane submits. On the worker it
+1. verifies the ticket against the keys this worker trusted at start-up and the exact bytes it got,
+2. redeems the ticket at the scheduler's registry (once for the whole cluster; a gang once per member),
+   then secedes from the worker's thread pool: a worker's thread count never caps how many
+   bodies (fractions of a GPU) run on it, its devices do,
+3. holds the devices the ticket allows (the ones the cluster's queue chose, or the allocator's
+   choice: disjoint devices, or fractions that fit) and tells the scheduler which (an event,
+   no round trip), so a worker's death names the devices it took with it,
+4. for a gang, meets the other members at the registry once each holds its devices, and learns
+   where member 0 listens (the rendezvous environment: dask_gpu.gang),
+5. runs the body in a fresh process (the zygote's child) with `CUDA_VISIBLE_DEVICES` set,
+6. kills that process (and what it started) when asked to stop, or when its lease is not
+   renewed in time (the control plane is gone: fail closed), and says why.
+
+The body and its result stay bytes here: the worker and the control plane
+never unpickle what a flow sent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from distributed import get_worker
+from distributed.comm import get_address_host
+from distributed.utils import sync
+from distributed.worker import thread_state
+from pydantic import BaseModel, ConfigDict
+
+from dask_gpu.child import WORKER_ENV
+from dask_gpu.execute import DeviceRun, gpu_env, hold_devices
+from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
+from dask_gpu.errors import DeviceUnavailable
+from dask_gpu.gang import free_port, members_env
+from dask_gpu.tickets import MEET_OP, PLACED_TOPIC, REDEEM_OP, Ticket, TicketRejected, digest, verify_signature
+from dask_gpu.zygote import kill_group, recv_msg, send_msg, wait_readable
+
+POLL_SECONDS = 0.1
+GANG_MEET_SECONDS = 120.0  # how long a gang member holding its devices waits for the others
+
+
+class Outcome(BaseModel):
+    """How one body ended, and where it ran. `value` and `error` are pickled bytes nobody here opens."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ok: bool
+    value: bytes = b""
+    error: bytes = b""
+    error_type: str = ""
+    error_message: str = ""
+    error_text: str = ""
+    stopped: str | None = None  # why it was stopped: "stop requested", "lease expired", ...
+    run: DeviceRun
+    member: int = 0  # which member of a gang this was (0 for a run on one host)
+    logs: list[tuple[int, str]] = []
+    reports: list[dict[str, Any]] = []
+
+
+class Body(BaseModel):
+    """What the control plane sends with a ticket: the pickled call and what its child needs to start warm."""
+
+    model_config = ConfigDict(frozen=True)
+
+    payload: bytes
+    modules: list[str] = []
+    env: dict[str, str] = {}
+    member: int = 0  # gang runs: which member this is (0 .. hosts-1)
+    devices: list[str] | None = None  # the device keys the cluster's queue chose for it (None: the worker chooses)
+
+
+def _plugin() -> tuple[Any, GPUWorkerPlugin]:
+    worker = get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if not isinstance(plugin, GPUWorkerPlugin):
+        raise TicketRejected(f"worker {worker.address} is not GPU-aware: start it with `dask-gpu-worker`")
+    return worker, plugin
+
+
+def _redeem(worker: Any, ticket: Ticket, member: int, key: str) -> None:
+    try:
+        fresh = sync(worker.loop, getattr(worker.scheduler, REDEEM_OP), id=ticket.id, expires_at=ticket.expires_at,
+                     member=member, hosts=ticket.hosts, worker=worker.address, key=key)
+    except Exception as exc:  # no registry: refuse rather than risk a replay
+        raise TicketRejected(f"the scheduler could not redeem ticket {ticket.id[:8]} ({type(exc).__name__}: {exc}); "
+                             "start it with `dask-gpu-scheduler`, or let the control plane install the registry") from None
+    if not fresh:
+        raise TicketRejected(f"ticket {ticket.id[:8]} of run {ticket.run} was already used: a second execution "
+                             f"(a replay, or Dask re-running the task after a worker died) is refused on {worker.address}")
+
+
+def _secede() -> None:
+    """Leave the worker's thread pool: the body waits in a process of its own, so its thread must not count."""
+    if getattr(thread_state, "key", None) is not None:
+        from distributed import secede
+
+        secede()
+
+
+def _meet(worker: Any, plugin: GPUWorkerPlugin, key: str, ticket: Ticket, member: int,
+          devices: tuple[Any, ...]) -> tuple[dict[str, str], str | None]:
+    """The rendezvous environment of this member (a gang meets at the registry first); or why it stopped meanwhile."""
+    host = get_address_host(worker.address)
+    if ticket.hosts <= 1:
+        return members_env([("127.0.0.1", free_port("127.0.0.1"))], 0, len(devices)), None
+    port = free_port(host) if member == 0 else 0
+    stop = plugin.stop_event(key)
+    deadline = time.monotonic() + GANG_MEET_SECONDS
+    while True:
+        why = "stop requested" if stop.is_set() else plugin.lease_expired(key) or plugin.abandoned(key)
+        if why:
+            return {}, why
+        members = sync(worker.loop, getattr(worker.scheduler, MEET_OP), id=ticket.id, member=member,
+                       hosts=ticket.hosts, host=host, port=port, wait=1.0)
+        if members is not None:
+            return members_env(members, member, len(devices)), None
+        if time.monotonic() > deadline:
+            raise DeviceUnavailable(f"run {ticket.run}: member {member} held its devices, but the other members of "
+                                    f"its {ticket.hosts}-host job did not all start within {GANG_MEET_SECONDS:g}s")
+
+
+def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
+    """Dask task body of every admitted run. No ticket, no run."""
+    worker, plugin = _plugin()
+    verify_signature(ticket, plugin.trusted_keys)
+    assert ticket is not None
+    if digest(body.payload) != ticket.payload_digest:
+        raise TicketRejected(f"ticket for run {ticket.run} was issued for other bytes than these: altered")
+    key = str(getattr(thread_state, "key", None) or ticket.id)
+    _redeem(worker, ticket, body.member, key)
+    request = ticket.member_request(body.member)
+    _secede()
+    # The child is forked (after its modules are imported, once per worker) before devices are held, so
+    # neither the wait for devices nor the first import counts as the body's GPU time.
+    sock = plugin.zygote.connect(body.modules)
+    try:
+        pid = json.loads(recv_msg(sock))["pid"]
+        with hold_devices(request, body.devices) as lease:
+            plugin.renew([key], ticket.lease_seconds)
+            worker.log_event(PLACED_TOPIC, {"ticket": ticket.id, "member": body.member, "key": key,
+                                            "devices": [d.key for d in lease.devices],
+                                            "host": plugin.inventory.host})
+            try:
+                env, why = _meet(worker, plugin, key, ticket, body.member, lease.devices) if request.gpus else ({}, None)
+                if why:
+                    kill_group(pid)
+                    result: dict[str, Any] = {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
+                else:
+                    result = _run_child(plugin, key, ticket, body, lease.devices, worker.address, sock, pid, env)
+            finally:
+                plugin.forget_lease(key)
+    except BaseException:
+        sock.close()
+        raise
+    sock.close()
+    return Outcome(run=lease.run(), member=body.member, **result)
+
+
+def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, devices: tuple[Any, ...],
+               address: str, sock: Any, pid: int, rendezvous: dict[str, str]) -> dict[str, Any]:
+    stop = plugin.stop_event(key)
+    env = {**body.env, **rendezvous, WORKER_ENV: address}
+    if devices:
+        env.update({k: v for k, v in gpu_env(devices, base={}).items()})
+    try:
+        send_msg(sock, json.dumps({"env": env, "code_digest": ticket.code_digest,
+                                   "devices": [d.model_dump() for d in devices]}).encode())
+        send_msg(sock, body.payload)
+        while not wait_readable(sock, POLL_SECONDS):
+            why = "stop requested" if stop.is_set() else plugin.lease_expired(key) or plugin.abandoned(key)
+            if why:
+                kill_group(pid)
+                return {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
+        try:
+            meta = json.loads(recv_msg(sock))
+            blob = recv_msg(sock)
+        except (EOFError, OSError, ValueError):
+            why = "stop requested" if stop.is_set() else plugin.lease_expired(key)
+            if why:
+                return {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
+            return {"ok": False, "error_type": "builtins.SystemExit",
+                    "error_message": "the task's process died without a result (killed, or it called os._exit)"}
+    finally:
+        sock.close()
+    if meta["ok"]:
+        return {"ok": True, "value": blob, "logs": meta.get("logs", []), "reports": meta.get("reports", [])}
+    return {"ok": False, "error": blob, "error_type": meta.get("error_type", ""),
+            "error_message": meta.get("error_message", ""), "error_text": meta.get("error_text", ""),
+            "logs": meta.get("logs", []), "reports": meta.get("reports", [])}

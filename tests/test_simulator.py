@@ -1,0 +1,108 @@
+"""The simulator and its inputs: no hidden order, gangs kept, fairness measured as Themis does."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.trace import BadTime, epoch, load, offered_load
+from dask_gpu.queue_policy import EasyBackfill, FinishTimeFair, Fifo, Job, PlainDask
+from dask_gpu.sim_metrics import finish_time_fairness, percentile, private_pool
+from dask_gpu.simulator import alone, simulate
+
+
+def job(i, gpus, submit=0.0, duration=10.0, tenant="a"):
+    return Job(id=i, tenant=tenant, gpus=gpus, submit=submit, estimate=duration)
+
+
+def run(policy, jobs, hosts=1, gpus=4):
+    return simulate(jobs, {j.id: j.estimate for j in jobs}, policy, hosts, gpus)
+
+
+def test_the_trace_keeps_file_order_for_ties_and_keeps_gangs(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp,duration,num_gpus,gpu_time,cluster\n"
+                     "2017-10-02 06:00:05,30.0,4,120.0,zz\n"
+                     "2017-10-02 06:00:00,90.0,2,180.0,yy\n"
+                     "2017-10-02 06:00:05,10.0,1,10.0,aa\n"   # same second as the first row: stays after it
+                     "2017-10-02 06:00:07,50.0,16,800.0,aa\n"  # wider than a host: a gang, kept
+                     "2017-10-02 06:00:08,50.0,128,6400.0,aa\n"  # wider than the cluster: left out
+                     "2017-10-02 07:00:00,50.0,1,50.0,aa\n")   # after --end
+    jobs, durations, dropped = load(trace, "2017-10-02 06:00", "2017-10-02 06:30", 8, 8, None, "clip", None)
+    assert [(j.tenant, j.gpus) for j in jobs] == [("yy", 2), ("zz", 4), ("aa", 1), ("aa", 16)]
+    assert dropped == {"wider than the cluster": 1}
+    # offered load: GPU-seconds over 64 GPUs x (end - first submit), not the whole window
+    assert offered_load(jobs, durations, 64, "2017-10-02 06:30") == pytest.approx((180 + 120 + 10 + 800) / (64 * 1800))
+
+
+def test_start_and_end_take_dates_and_date_times():
+    assert epoch("2017-10-02 06:00") - epoch("2017-10-02") == 6 * 3600
+    with pytest.raises(BadTime, match="YYYY-MM-DD"):
+        epoch("yesterday")
+
+
+def test_simulate_py_accepts_a_date_time_window(capsys):
+    from bench.simulate import main
+
+    main(["--start", "2017-10-03 06:00", "--end", "2017-10-03 08:00", "--tenants", "3"])
+    out = capsys.readouterr().out
+    assert "max rho" in out and "ours" in out and "plain-dask" in out
+
+
+def test_events_are_handled_one_at_a_time():
+    # Two runs arrive in the same second on a 1-GPU host: the first in file order starts, whatever its length.
+    jobs = [job(0, 1, duration=100.0), job(1, 1, duration=1.0)]
+    assert run(EasyBackfill(), jobs, gpus=1).started == {0: 0.0, 1: 100.0}
+
+
+def test_plain_dask_picks_the_host_with_least_occupancy_including_running_work():
+    # Host 0 runs a long job (1000 s on 4 GPUs), host 1 a short one (10 s on 4 GPUs): a new 1-GPU job goes
+    # to host 1 (less GPU-seconds left per GPU), though both have no free GPU now.
+    jobs = [job(0, 4, duration=1000.0), job(1, 4, duration=10.0), job(2, 1, submit=1.0, duration=5.0)]
+    assert run(PlainDask(2), jobs, hosts=2).started[2] == 10.0
+
+
+def test_percentile_is_interpolated():
+    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+
+
+def test_rho_compares_with_easy_alone_on_a_private_pool():
+    # Two tenants, 1 host x 4 GPUs: pools are max(4 // 2, widest) = 2 GPUs for a, 4 for b.
+    assert private_pool(1, 4, 2, 2) == [2] and private_pool(1, 4, 2, 4) == [4]
+    jobs = [job(0, 2, duration=10.0, tenant="a"), job(1, 2, duration=10.0, tenant="a"), job(2, 4, submit=1.0, tenant="b")]
+    durations = {j.id: j.estimate for j in jobs}
+    pools = alone(jobs, durations, 1, 4)
+    assert pools == {"a": 10.0 + 20.0, "b": 10.0}  # a's second job waits for its first on 2 GPUs
+    out = simulate(jobs, durations, Fifo(), 1, 4).with_alone(pools)
+    assert out.rho == finish_time_fairness(out.jct_by_tenant, pools)
+    assert out.rho["a"] == pytest.approx((10 + 10) / 30) and out.rho["b"] == pytest.approx((10 + 9) / 10)
+    assert out.max_rho == out.rho["b"] and 0 < out.min_s_active <= 1
+
+
+def test_ours_serves_a_light_tenants_job_before_a_heavy_tenants_backlog():
+    # a floods 1 host x 4 GPUs with 1-GPU 100 s runs; b sends one 1-GPU run later. Shortest first alone would
+    # put b behind a's equally short runs; b's private pool is idle, so b's run is owed and starts first.
+    heavy = [job(i, 1, duration=100.0, tenant="a") for i in range(12)]
+    light = job(99, 1, submit=5.0, duration=100.0, tenant="b")
+    s = run(FinishTimeFair(), [*heavy, light]).started
+    assert s[99] == 100.0 and sorted(s[i] for i in range(12))[4] == 100.0
+    assert run(Fifo(), [*heavy, light]).started[99] == 300.0
+
+
+def test_ours_runs_the_smallest_work_first_among_a_heavy_tenants_jobs():
+    blocker = job(0, 4, duration=10.0, tenant="c")
+    big = job(1, 4, submit=1.0, duration=100.0)
+    small = [job(2 + i, 1, submit=2.0, duration=10.0) for i in range(8)]
+    s = run(FinishTimeFair(tail=0), [blocker, big, *small, *[job(20 + i, 1, submit=1.0, duration=10.0, tenant="d")
+                                                             for i in range(8)]]).started
+    assert s[1] > max(s[2 + i] for i in range(8))  # the 400 GPU-s job after the 10 GPU-s ones
+
+
+def test_the_examples_in_the_docstrings_hold():
+    import doctest
+
+    import bench.trace
+    import dask_gpu.queue_policy
+    import dask_gpu.sim_metrics
+
+    for module in (bench.trace, dask_gpu.queue_policy, dask_gpu.sim_metrics):
+        assert doctest.testmod(module).failed == 0, module.__name__
