@@ -151,7 +151,7 @@ class DemoServer:
         except httpx.HTTPError:
             return False
 
-    def start(self, timeout: float = 120) -> None:
+    def start(self, timeout: float = 300) -> None:
         """Server (unless one already answers on the port), work pool, deployments, worker."""
         (self.home / "prefect").mkdir(parents=True, exist_ok=True)
         server_up = self.healthy()
@@ -161,9 +161,10 @@ class DemoServer:
         plane_log = self._spawn_control_plane()  # it needs nothing from Prefect: both start at once
         if not server_up:
             deadline = time.time() + timeout
-            while not self.healthy():
-                if time.time() > deadline:
-                    raise RuntimeError(f"the Prefect server did not answer on {self.api}: see {self.home / 'server.log'}")
+            while not self.healthy():  # a busy machine can take minutes to migrate a new database
+                if time.time() > deadline or not self.running("server"):
+                    state = "stopped" if not self.running("server") else f"did not answer in {timeout:.0f} s"
+                    raise RuntimeError(f"the Prefect server on {self.api} {state}: see {self.home / 'server.log'}")
                 time.sleep(0.5)
         pool = httpx.get(f"{self.api}/work_pools/{POOL}", timeout=10)
         if pool.status_code == 404:

@@ -82,6 +82,7 @@ print("RESULT " + json.dumps(nightly_finetune()))
 '''
 
 
+@pytest.mark.timeout(900)
 def test_a_person_approves_from_the_prefect_ui_on_the_control_planes_page(control_plane, tmp_path):
     _browser_or_skip()
     from playwright.sync_api import sync_playwright
@@ -94,20 +95,24 @@ def test_a_person_approves_from_the_prefect_ui_on_the_control_planes_page(contro
            "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
            "PYTHONPATH": str(ROOT), "AISCHED_CONTROL_PLANE": control_plane.url, "AISCHED_TOKEN": t.token}
     env.pop("PREFECT_API_KEY", None)
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server_log = tmp_path / "server.log"
+    with open(server_log, "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                   "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     script = tmp_path / "nightly_finetune.py"
     script.write_text(FLOW)
     name = f"ui-approval-{port}"
     run = None
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
+        deadline = time.time() + 300  # a busy machine can take minutes to migrate a new database
+        while True:
             try:
                 if httpx.get(f"{api}/health").status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
+            assert server.poll() is None and time.time() < deadline, \
+                f"the Prefect server never answered on {api}:\n{server_log.read_text(errors='replace')[-3000:]}"
             time.sleep(0.5)
         run = subprocess.Popen([sys.executable, str(script), name], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)

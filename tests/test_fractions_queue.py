@@ -45,32 +45,49 @@ def _where() -> dict:
             "types": [d.gpu_type for d in current_devices()]}
 
 
+def _await_files(folder: Path, count: int, seconds: float) -> None:
+    """Wait until `count` files lie in `folder`, for at most `seconds`: an event, with a deadline if it never comes."""
+    deadline = time.time() + seconds
+    while len(list(folder.iterdir())) < count and time.time() < deadline:
+        time.sleep(0.05)
+
+
 @ai_task(gpus=2, gpu_type="H100", kind="training", est_seconds=60)
-def train(marker: str, seconds: float) -> dict:
+def train(marker: str, seconds: float, started: str | None = None) -> dict:
+    """Holds the H100 host for `seconds`, or, given `started`, until six fractions have started (60 s at most)."""
     Path(marker).write_text("running")
     start = time.time()
-    time.sleep(seconds)
+    if started is None:
+        time.sleep(seconds)
+    else:
+        _await_files(Path(started), 6, 60.0)
     return {**_where(), "start": start, "end": time.time()}
 
 
 @ai_task(gpus=0.25, kind="inference", est_seconds=30)
-def quarter(i: int) -> dict:
+def quarter(i: int, started: str) -> dict:
+    """Marks its start, then runs until all six have started (60 s at most): six at once, or the later ones late."""
     start = time.time()
-    time.sleep(3.0)
+    (Path(started) / str(i)).write_text("started")
+    _await_files(Path(started), 6, 60.0)
+    time.sleep(0.2)
     return {**_where(), "start": start, "end": time.time()}
 
 
 def test_fractions_start_on_idle_devices_while_training_holds_another_host(cluster, tmp_path):
     t = tenant(cluster.plane)
     marker = tmp_path / "training-started"
+    started = tmp_path / "fractions-started"
+    started.mkdir()
 
     @flow(task_runner=t.runner(max_workers=16))
     def mixed():
-        training = train.submit(str(marker), 10.0)
+        # The training task holds the H100 host until the six fractions have started, or for 60 s if they wait.
+        training = train.submit(str(marker), 0.0, str(started))
         deadline = time.time() + 60
-        while not marker.exists() and time.time() < deadline:  # the training task holds the H100 host
+        while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)
-        quarters = quarter.map(range(6))
+        quarters = quarter.map(range(6), started=str(started))
         return training.result(), [q.result() for q in quarters], FlowRunContext.get().flow_run.id
 
     training, quarters, flow_run_id = mixed()
