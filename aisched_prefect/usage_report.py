@@ -249,6 +249,12 @@ def _row(run: str, hs: list[Any], recs: list[Any], ask: Any, topped: list[float]
     # estimate and each top-up, since nobody knows what ran. Summed as the ledger posted them, in micro-units.
     spans = timed if timed else [float(req.get("est_seconds") or 0), *topped]
     gpu_micros = sum(to_micros(gpus * x / 3600) for x in spans)
+    # Where a gpu-hours budget counted the run, report what it posted: the ledger carries each account's rounding
+    # remainder (a run may post one micro-unit more or less than its own rounded hours), and the two must agree.
+    counted = {(h.budget, h.period) for h in hs if h.unit == "gpu-hours" and h.status != "voided"}
+    posted_hours = {c.micros for c in charges if (c.budget, c.period) in counted}
+    if len(posted_hours) == 1:
+        gpu_micros = posted_hours.pop()
     tokens = sum(int(r.payload["usage"]["tokens"]) if r.payload.get("usage") else int(req.get("est_tokens") or 0)
                  for r in recs) if recs else int(req.get("est_tokens") or 0)
     gpu_type = placement.get("gpu_type") or (p.get("estimate") or {}).get("gpu_type_priced")
