@@ -188,6 +188,16 @@ def _depth(budget: str) -> tuple[int, str]:
     return budget.count("/") + budget.count("#"), budget
 
 
+def _charged_account(hs: list[Any], unit: str) -> str | None:
+    """The run's shallowest account of `unit` it was charged on (a limit for a GPU type it did not land on was voided).
+
+    One settlement posts the same micro-units on every account of a unit (nested accounts stay equal), so this
+    account's charge is the run's.
+    """
+    accounts = sorted({h.budget for h in hs if h.unit == unit and h.status != "voided"}, key=_depth)
+    return accounts[0] if accounts else None
+
+
 def usage_rows(ledger: Ledger, *, flow_run_id: str | None = None, since: datetime | None = None,
                until: datetime | None = None, flow_names: Mapping[str, str] | None = None) -> list[UsageRow]:
     """One row per settled run (oldest first); runs that never ran and were charged nothing are left out.
@@ -235,9 +245,7 @@ def _row(run: str, hs: list[Any], recs: list[Any], ask: Any, topped: list[float]
     for h in hs:
         sums[(h.budget, h.period, h.unit)] = sums.get((h.budget, h.period, h.unit), 0) + (h.charged_micros or 0)
     charges = [Charge(budget=b, period=per, unit=u, micros=m) for (b, per, u), m in sorted(sums.items())]
-    # Only accounts the run was charged on: a limit for a GPU type it did not land on was voided.
-    money_accounts = sorted({h.budget for h in hs if h.unit == "money" and h.status != "voided"}, key=_depth)
-    account = money_accounts[0] if money_accounts else None
+    account = _charged_account(hs, "money")
     money = sum((c.micros for c in charges if c.budget == account), 0)
     uncovered = sum(to_micros(s.get("uncovered") or 0) for r in recs for s in r.payload.get("settlements") or []
                     if s.get("budget") == account)
@@ -245,16 +253,16 @@ def _row(run: str, hs: list[Any], recs: list[Any], ask: Any, topped: list[float]
     gpus = float(req.get("gpus") or 0)
     timed = [float(r.payload["seconds"]) for r in recs if r.payload.get("seconds") is not None]
     seconds = sum(timed) if timed else None
-    # Each settlement charged its own seconds; with none (its holds expired) it is reported at what it held, the
-    # estimate and each top-up, since nobody knows what ran. Summed as the ledger posted them, in micro-units.
-    spans = timed if timed else [float(req.get("est_seconds") or 0), *topped]
-    gpu_micros = sum(to_micros(gpus * x / 3600) for x in spans)
-    # Where a gpu-hours budget counted the run, report what it posted: the ledger carries each account's rounding
-    # remainder (a run may post one micro-unit more or less than its own rounded hours), and the two must agree.
-    counted = {(h.budget, h.period) for h in hs if h.unit == "gpu-hours" and h.status != "voided"}
-    posted_hours = {c.micros for c in charges if (c.budget, c.period) in counted}
-    if len(posted_hours) == 1:
-        gpu_micros = posted_hours.pop()
+    # Where a gpu-hours budget counted the run, what it posted: the ledger carries each account's rounding remainder,
+    # so a run may post one micro-unit more or less than its own rounded hours, and report and budget must agree.
+    # Otherwise each settlement's own seconds; with none (its holds expired) what it held, the estimate and each
+    # top-up, since nobody knows what ran.
+    hours_account = _charged_account(hs, "gpu-hours")
+    if hours_account is not None:
+        gpu_micros = sum((c.micros for c in charges if c.budget == hours_account), 0)
+    else:
+        spans = timed if timed else [float(req.get("est_seconds") or 0), *topped]
+        gpu_micros = sum(to_micros(gpus * x / 3600) for x in spans)
     tokens = sum(int(r.payload["usage"]["tokens"]) if r.payload.get("usage") else int(req.get("est_tokens") or 0)
                  for r in recs) if recs else int(req.get("est_tokens") or 0)
     gpu_type = placement.get("gpu_type") or (p.get("estimate") or {}).get("gpu_type_priced")

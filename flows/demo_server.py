@@ -137,13 +137,21 @@ class DemoServer:
         return proc
 
     def running(self, name: str) -> bool:
-        """Whether the process this demo started as `name` is still alive."""
+        """Whether the process this demo started as `name` is still alive.
+
+        A child of this process that exited stays a zombie, which signal 0 still reaches, until it is reaped: reaping
+        it here is what lets a wait see a server or control plane that died at start.
+        """
         pid_file = self.home / f"{name}.pid"
         try:
-            os.kill(int(pid_file.read_text()), 0)
-            return True
+            pid = int(pid_file.read_text())
+            os.kill(pid, 0)
         except (OSError, ValueError):
             return False
+        try:
+            return os.waitpid(pid, os.WNOHANG)[0] == 0
+        except ChildProcessError:  # started by an earlier `up`: not ours to reap, and it answered signal 0
+            return True
 
     def healthy(self) -> bool:
         try:
@@ -162,8 +170,9 @@ class DemoServer:
         if not server_up:
             deadline = time.time() + timeout
             while not self.healthy():  # a busy machine can take minutes to migrate a new database
-                if time.time() > deadline or not self.running("server"):
-                    state = "stopped" if not self.running("server") else f"did not answer in {timeout:.0f} s"
+                alive = self.running("server")
+                if time.time() > deadline or not alive:
+                    state = f"did not answer in {timeout:.0f} s" if alive else "stopped"
                     raise RuntimeError(f"the Prefect server on {self.api} {state}: see {self.home / 'server.log'}")
                 time.sleep(0.5)
         pool = httpx.get(f"{self.api}/work_pools/{POOL}", timeout=10)
