@@ -559,7 +559,8 @@ class Dispatcher:
         every control plane replica of the cluster. Concurrency slots go first come, first served; each start gets
         its own slot time, 60/per_minute apart, so a burst runs at the configured rate. The wait is asked in turns
         of a second and slept on the run's wake event, so a revocation ends it at once (the caller sees
-        `stop_reason`). How long the call waited, and its slot time, go into its settlement (`model_limit`).
+        `stop_reason`). How long the call waited, its slot time and how much of the wait was for its rate slot
+        (`rate_wait`: 0 when it asked after the previous slot) go into its settlement (`model_limit`).
         """
         lim = self._model_limit(state.admission)
         if lim is None:
@@ -585,7 +586,8 @@ class Dispatcher:
             while state.stop_reason is None and (left := start - time.monotonic()) > 0:  # its start slot
                 state.wake.wait(left)
                 state.wake.clear()
-            state.model_limit = {"limit": lim.model, "waited": time.monotonic() - t0, "slot": got["slot"]}
+            state.model_limit = {"limit": lim.model, "waited": time.monotonic() - t0, "slot": got["slot"],
+                                 "rate_wait": got["delay"]}
             state.submitted = time.monotonic()  # what ran is counted from here, not from the wait
             yield
         finally:  # on the client's batched stream: no round trip

@@ -29,6 +29,23 @@ from dask_gpu.security import ClusterTLS
 from dask_gpu.tickets import TicketSigner, digest
 from tests.attacks.support import run_flow, tenant
 
+
+def connect_client(address: str, **args) -> None:
+    """Connect a Dask client as an attacker would; raises where the cluster refuses it.
+
+    Asynchronous, so a refused client leaves no loop thread behind: a synchronous Client whose constructor fails
+    is closed by the garbage collector, and when that lands inside another client's close, both wait on
+    distributed's class-wide LoopRunner lock forever (CI hung 300 s here)."""
+
+    async def attempt() -> None:
+        client = Client(address, asynchronous=True, set_as_default=False, **args)
+        try:
+            await client
+        finally:
+            await client.close()
+
+    asyncio.run(attempt())
+
 REQUEST = GPURequest(gpus=1, gpu_type="H100")
 
 
@@ -85,10 +102,10 @@ def test_without_the_clusters_client_certificate_nothing_connects(gpu_cluster, d
     own = ClusterTLS.create(tmp_path / "own").security("client")
     for attempt in (dict(), dict(security=own)):
         with pytest.raises(Exception) as refused:
-            Client(scheduler, timeout=3, set_as_default=False, **attempt)
+            connect_client(scheduler, timeout=3, **attempt)
         assert "TLS" in str(refused.value) or isinstance(refused.value, (OSError, AssertionError)), refused.value
     with pytest.raises(Exception):
-        Client(scheduler.replace("tls://", "tcp://"), timeout=3, set_as_default=False)
+        connect_client(scheduler.replace("tls://", "tcp://"), timeout=3)
 
     async def talk(address: str, **args) -> object:
         comm = await connect(address, timeout="3s", **args)
@@ -147,7 +164,7 @@ def test_a_workers_certificate_does_not_make_a_dask_client(gpu_cluster, cluster_
     stolen = Security(tls_ca_file=str(d / "ca.pem"), tls_client_cert=str(d / "cluster.pem"),
                       tls_client_key=str(d / "cluster.key"), require_encryption=True)
     with pytest.raises(Exception):
-        Client(gpu_cluster.scheduler_address, timeout=5, set_as_default=False, security=stolen).close()
+        connect_client(gpu_cluster.scheduler_address, timeout=5, security=stolen)
     worker = next(iter(dask_client.scheduler_info()["workers"]))
 
     async def ask(op: str, **msg):
