@@ -336,9 +336,9 @@ class PauseDesk:
         poller = threading.Thread(target=poll, name="aisched-approval-poll", daemon=True)
         poller.start()
         try:
-            # poll_interval: Prefect checks every 10 s by default; a decision should not wait that long to be seen.
+            # poll_interval: Prefect checks every 10 s by default; a decision should not wait to be seen (a read a 0.2 s).
             answer = pause_flow_run(wait_for_input=ApprovalInput.with_initial_data(description=self._describe()),
-                                    timeout=timeout, poll_interval=1, key=f"aisched-approval-{uuid.uuid4().hex[:12]}")
+                                    timeout=timeout, poll_interval=0.2, key=f"aisched-approval-{uuid.uuid4().hex[:12]}")
             stop.set()
             poller.join(timeout=5)  # its resume may have landed a moment before it could say so
             if not resumed.is_set():  # somebody typed into the Prefect form: it proves nothing, say so

@@ -91,6 +91,27 @@ def test_report_equals_the_ledger_to_the_micro_unit_with_voided_and_expired_hold
     assert window.runs == report.runs and window.total == report.total  # read through the window's prefilter
 
 
+def test_gpu_hours_equal_what_the_gpu_hours_budget_posted_where_rounding_carries(ledger_url):
+    """Runs of 1.5 micro-GPU-hours each: the ledger posts the true sum (it carries each account's rounding remainder),
+    and so must the report, run by run, rather than round each run's hours on its own."""
+    ledger = Ledger(ledger_url)
+    seconds = 0.0054  # 1 GPU for 5.4 ms = 1.5e-6 GPU-hours: half a micro-unit to carry
+    actual = seconds / 3600
+    for i in range(5):
+        lines = [BudgetLine(budget="org", period="2026-11", limit=100, amount=0.01),
+                 BudgetLine(budget="org/gpu-hours", period="2026-11", limit=10, amount=actual, unit="gpu-hours")]
+        _run(ledger, lines, task=f"r{i}", principal="team-a/x", flow_run="f1", seconds=seconds,
+             actual={"org": 0.01, "org/gpu-hours": actual})
+    posted = _posted(ledger)["org/gpu-hours"]
+    assert posted != 5 * to_micros(actual), "precondition: rounding each run on its own differs from the books"
+    report = build_report(ledger, by="tenant")
+    assert _micros(report.total.gpu_hours) == posted
+    charged = {r.task: sum(c.micros for c in r.charges if c.budget == "org/gpu-hours") for r in report.runs}
+    assert {r.task: _micros(r.gpu_hours) for r in report.runs} == charged
+    assert next(b for b in report.budgets if b.budget == "org/gpu-hours").in_report == report.total.gpu_hours
+    assert report.mismatches() == []
+
+
 def test_bad_options_name_the_option_and_the_fix(sqlite_url, monkeypatch, tmp_path):
     with pytest.raises(InvalidReportOption, match=r"--by 'team'.*one of tenant, principal, flow, model, gpu-type, day"):
         build_report(Ledger(sqlite_url), by="team")
