@@ -53,7 +53,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from dask_gpu.inventory import WorkerInventory
-from dask_gpu.queue_policy import ClusterState, FinishTimeFair, Job, Policy, Running
+from dask_gpu.queue_policy import LIVE_HALF_LIFE, ClusterState, FinishTimeFair, Job, Policy, Running
 from dask_gpu.request import split
 
 PLUGIN_NAME = "dask-gpu-queue"
@@ -107,12 +107,13 @@ class Device:
 
 class GPUQueuePlugin(SchedulerPlugin):
     """Holds the cluster's queue of GPU runs and starts them with a pure policy (FinishTimeFair by default: no GPU
-    held idle while a run that fits waits, beyond EASY's reservations; preemptible runs give borrowed GPUs back)."""
+    held idle while a run that fits waits, beyond EASY's reservations; preemptible runs give borrowed GPUs back;
+    fairness memory halving weekly)."""
 
     name = PLUGIN_NAME
 
     def __init__(self, policy: Policy | None = None) -> None:
-        self.policy = policy or FinishTimeFair()
+        self.policy = policy or FinishTimeFair(half_life=LIVE_HALF_LIFE)
         self.addresses: list[str] = []  # host index -> worker address (append-only; a gone worker keeps its index)
         self.state = ClusterState(free=[])
         self.waiters: dict[int, tuple[str, Job]] = {}  # queued: job id -> (client, job)
@@ -438,7 +439,9 @@ class GPUQueuePlugin(SchedulerPlugin):
 
     # -- policy -------------------------------------------------------------------------
     def _drop_running(self, jid: int, free: bool = True) -> None:
+        """A run ended, was preempted or lost its worker: a run that comes back is queued under a new id."""
         run, _ = self.running.pop(jid)
+        self.policy.finish([run.job])
         self._unassign(jid)
         self.specs.pop(jid, None)
         if free:

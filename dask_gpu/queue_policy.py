@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 Holds = tuple[tuple[int, int], ...]  # (host, GPUs held there), one pair per host
 
+LIVE_HALF_LIFE = 7 * 24 * 3600.0  # the live queue's fairness memory halves weekly (Slurm's PriorityDecayHalfLife)
+
 
 @dataclass(frozen=True, slots=True)
 class Job:
@@ -223,6 +225,10 @@ class Policy:
         """Waiting jobs that leave without the policy starting them (cancelled, their client gone, a fraction
         that found room on a shared device): by default, as `remove`."""
         self.remove(jobs)
+
+    def finish(self, jobs: list[Job]) -> None:
+        """Started jobs that ended and will not be submitted again under their id: a policy forgets what it kept
+        of them (a long-lived scheduler must not grow with every run). Nothing by default."""
 
     def waiting(self) -> int:
         raise NotImplementedError
@@ -814,6 +820,13 @@ class FinishTimeFair(EasyBackfill):
     runs of tenants above their quota on the host where that loses the least
     work, and the claimant is served first in the same pass.
 
+    Fairness memory may fade: with `half_life`, what a tenant's jobs took and
+    would have taken alone counts with a weight halving every `half_life`
+    seconds, so a tenant's rho speaks of its recent weeks, not of everything
+    since the scheduler started. The live queue fades with a 7-day half-life
+    (`LIVE_HALF_LIFE`, as Slurm's PriorityDecayHalfLife); the simulator's
+    one-day slices run without (None, the default).
+
     No GPU is held back beyond the reservations. A heavy tenant's alone times
     are long (its private pool would be swamped), so it is rarely behind and
     its jobs go shortest first; a light tenant falls behind as soon as its
@@ -826,9 +839,13 @@ class FinishTimeFair(EasyBackfill):
 
     def __init__(self, weights: dict[str, float] | None = None, behind: float = 0.7, overdue: float = 1.5,
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
-                 align: bool = True, owed: bool = False) -> None:
+                 align: bool = True, owed: bool = False, half_life: float | None = None) -> None:
         super().__init__()
+        if half_life is not None and not half_life > 0:
+            raise ValueError(f"half_life must be positive seconds or None (never fade), not {half_life!r}")
         self.owed = owed
+        self.half_life = half_life
+        self.epoch: float | None = None  # `done` and `alone_sum` are stored x 2**((t - epoch) / half_life)
         self.weights = weights or {}
         self.behind, self.overdue, self.horizon, self.reservations = behind, overdue, horizon, reservations
         self.due: list[tuple[float, int, Job]] = []  # heap: (when a job's own wait makes it overdue, id, job)
@@ -840,9 +857,10 @@ class FinishTimeFair(EasyBackfill):
         self.widest: dict[str, int] = {}  # tenant -> its widest job so far (its pool is at least that)
         self.last_submit: dict[str, float] = {}
         self.alone: dict[int, float] = {}  # job id -> its completion time alone
-        self.alone_sum: dict[str, float] = {}
-        self.done: dict[str, float] = {}  # tenant -> sum of (start - submit + estimate) of its started jobs
-        self.done_by: dict[int, float] = {}  # job id -> what it added to done (taken back if it is requeued)
+        self.alone_sum: dict[str, float] = {}  # tenant -> sum of its jobs' alone times (stored scaled, see `_weight`)
+        self.done: dict[str, float] = {}  # tenant -> sum of (start - submit + estimate) of its started jobs (scaled)
+        self.done_by: dict[int, tuple[float, float]] = {}  # job id -> (what it added to done, when): taken back if
+        # it is requeued
         self.pending: dict[str, list[float]] = {}  # tenant -> [jobs waiting, sum of submit, sum of estimate]
         self.by_estimate: list[tuple[float, int, int, Job]] = []  # waiting jobs, longest then widest first
         self.count = 0
@@ -858,6 +876,28 @@ class FinishTimeFair(EasyBackfill):
                     if now - at <= self.horizon and t != tenant) + w
         return capacity * w / total
 
+    def _weight(self, when: float) -> float:
+        """What a value added at `when` is stored as, per unit: 2**((when - epoch) / half_life). Stored sums over
+        `_weight(now)` are their faded values now; a term stays exact to take back later. The epoch moves
+        forward (every stored sum rescaled) before the weights could overflow.
+
+        >>> p = FinishTimeFair(half_life=10.0)
+        >>> p.epoch = 0.0
+        >>> p._weight(0.0), p._weight(10.0), p._weight(-10.0)
+        (1.0, 2.0, 0.5)
+        """
+        if self.half_life is None:
+            return 1.0
+        if self.epoch is None:
+            self.epoch = when
+        if when - self.epoch > 512 * self.half_life:
+            fade = 2.0 ** ((self.epoch - when) / self.half_life)
+            for sums in (self.done, self.alone_sum):
+                for t in sums:
+                    sums[t] *= fade
+            self.epoch = when
+        return 2.0 ** ((when - self.epoch) / self.half_life)
+
     def submit(self, job: Job, state: ClusterState) -> None:
         now, t = job.submit, job.tenant
         self.last_submit[t] = max(now, self.last_submit.get(t, now))
@@ -867,9 +907,10 @@ class FinishTimeFair(EasyBackfill):
             begin = max(now, self.backlog.get(t, now))
             self.backlog[t] = begin + job.gpus * job.estimate / gpus
             self.alone[job.id] = begin - now + job.estimate
-            self.alone_sum[t] = self.alone_sum.get(t, 0.0) + self.alone[job.id]
+            self.alone_sum[t] = self.alone_sum.get(t, 0.0) + self.alone[job.id] * self._weight(now)
         if job.id in self.done_by:  # requeued after a preemption: its first start no longer counts
-            self.done[t] -= self.done_by.pop(job.id)
+            took, at = self.done_by.pop(job.id)
+            self.done[t] -= took * self._weight(at)
         bisect.insort(self.queues.setdefault(t, []), ((-job.priority, job.gpus * job.estimate), job.id, job))
         if self.overdue:
             heapq.heappush(self.due, (self._due(job), job.id, job))
@@ -908,8 +949,14 @@ class FinishTimeFair(EasyBackfill):
         for job in jobs:
             alone = self.alone.pop(job.id, None)
             if alone is not None:
-                self.alone_sum[job.tenant] -= alone
+                self.alone_sum[job.tenant] -= alone * self._weight(job.submit)
         self.remove(jobs)
+
+    def finish(self, jobs: list[Job]) -> None:
+        """A preemptible job kept its alone time and its start's share of `done` in case it came back: no more."""
+        for job in jobs:
+            self.alone.pop(job.id, None)
+            self.done_by.pop(job.id, None)
 
     def waiting(self) -> int:
         return self.count
@@ -927,7 +974,9 @@ class FinishTimeFair(EasyBackfill):
     def rho(self, tenant: str, now: float) -> float:
         """The tenant's finish-time fairness so far: completion times (waiting jobs: if they started now) / alone."""
         n, submits, estimates = self.pending.get(tenant, (0, 0.0, 0.0))
-        return (self.done.get(tenant, 0.0) + n * now - submits + estimates) / max(self.alone_sum.get(tenant, 0.0), 1e-9)
+        w = self._weight(now)
+        done, alone = self.done.get(tenant, 0.0) / w, self.alone_sum.get(tenant, 0.0) / w
+        return (done + n * now - submits + estimates) / max(alone, 1e-9)
 
     def order(self, now: float, state: ClusterState | None = None) -> Iterator[Job]:
         """1. The jobs in the order they are served (lazily): LPT at the end of the queue, behind, the rest."""
@@ -1046,9 +1095,9 @@ class FinishTimeFair(EasyBackfill):
                     holders.add(job.tenant)
         for s in starts:
             took = now - s.job.submit + s.job.estimate
-            self.done[s.job.tenant] = self.done.get(s.job.tenant, 0.0) + took
+            self.done[s.job.tenant] = self.done.get(s.job.tenant, 0.0) + took * self._weight(now)
             if s.job.preemptible:
-                self.done_by[s.job.id] = took
+                self.done_by[s.job.id] = (took, now)
         self.remove([s.job for s in starts])
         return starts
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dask_gpu.queue_policy import (
@@ -260,5 +262,50 @@ def test_the_live_queue_holds_no_gpu_idle_and_gives_borrowed_gpus_back():
         assert [plugin.leave(f"a{i}") for i in range(4) if f"a{i}" != victim] == [None, None, None]
         plugin.leave("b")
         assert plugin.status()["free"] == {"tcp://w0": 2, "tcp://w1": 2} and plugin.status()["queued"] == 0
+        # A long-lived scheduler keeps nothing of runs that ended, preemptible ones included.
+        assert plugin.policy.alone == {} and plugin.policy.done_by == {} and plugin.policy.claims == {}
 
     asyncio.run(scenario())
+
+
+def _run_to_end(policy, state, now: float, jobs: list) -> float:
+    """Submit `jobs` at `now` and run everything one after another on the state's hosts; when the last one ended."""
+    from dask_gpu.queue_policy import Running
+
+    for job in jobs:
+        policy.submit(job, state)
+    while policy.waiting():
+        runs = []
+        for s in policy.schedule(now, state):
+            run = Running(s.job, s.host, now, s.gang)
+            state.running.append(run)
+            runs.append(run)
+        now = max(r.expected_end for r in runs)
+        for run in runs:
+            state.release(run)
+            policy.finish([run.job])
+    return now
+
+
+def test_fairness_memory_fades_with_its_half_life():
+    """Tenant b waited its whole job out behind a's (rho 2); a hundred half-lives later one job of b that starts at
+    once counts as b's whole history (rho 1). Without a half-life the old wait still weighs (rho ~2). The live
+    queue fades weekly."""
+    from dask_gpu.queue_plugin import GPUQueuePlugin
+    from dask_gpu.queue_policy import LIVE_HALF_LIFE, ClusterState, FinishTimeFair, Job
+
+    rhos = {}
+    for half_life in (3600.0, None):
+        policy, state = FinishTimeFair(half_life=half_life), ClusterState(free=[1])
+        end = _run_to_end(policy, state, 0.0, [Job(1, "a", 1, 0.0, 1000.0), Job(2, "b", 1, 0.0, 1000.0)])
+        # 1000 s alone, finished at 2000 s: rho 2, or more where the start (at 1000 s) outweighs the submit (0 s)
+        assert end == 2000.0 and policy.rho("b", end) == pytest.approx(2.0 * 2 ** (1000 / (half_life or math.inf)))
+        later = end + 100 * 3600.0
+        _run_to_end(policy, state, later, [Job(3, "b", 1, later, 10.0)])
+        rhos[half_life] = policy.rho("b", later)
+        assert policy.alone == {} and policy.done_by == {}
+    assert rhos[3600.0] == pytest.approx(1.0, abs=1e-9)
+    assert rhos[None] == pytest.approx(2010 / 1010)
+    assert GPUQueuePlugin().policy.half_life == LIVE_HALF_LIFE == 7 * 24 * 3600.0
+    with pytest.raises(ValueError, match="half_life must be positive"):
+        FinishTimeFair(half_life=0)
