@@ -143,6 +143,36 @@ def test_group_commit_keeps_each_write_all_or_nothing(ledger_url):
     assert kinds.count("admission") == 1 + len(granted) and kinds.count("settlement") == 1
 
 
+def test_a_callers_row_commits_with_the_holds_or_not_at_all(ledger_url):
+    """`reserve(also=...)`: the control plane files a call's admission beside its holds in one transaction, so a
+    replica killed just after the holds were taken leaves its admission findable (not held twice by a takeover)."""
+    import uuid
+
+    ledger = Ledger(ledger_url)
+    calls = sa.Table(f"calls_{uuid.uuid4().hex[:8]}", sa.MetaData(), sa.Column("key", sa.String(64), primary_key=True),
+                     sa.Column("hold", sa.String(64)))
+    calls.create(ledger.engine)
+    try:
+        (hold,), rec = ledger.reserve([line()], 0.4, kind="admission", payload={}, **IDS,
+                                      also=lambda conn, held, rec: conn.execute(calls.insert().values(
+                                          key=f"t/{rec.seq}", hold=held[0].id)))
+        with ledger.engine.connect() as conn:
+            assert conn.execute(sa.select(calls.c.key, calls.c.hold)).all() == [(f"t/{rec.seq}", hold.id)]
+
+        def killed(conn, held, rec):
+            conn.execute(calls.insert().values(key="t/lost", hold=held[0].id))
+            raise RuntimeError("the replica died here")
+
+        with pytest.raises(RuntimeError, match="the replica died here"):
+            ledger.reserve([line()], 0.3, kind="admission", payload={}, **IDS, also=killed)
+        with ledger.engine.connect() as conn:
+            assert conn.execute(sa.select(calls.c.key)).scalars().all() == [f"t/{rec.seq}"]
+        assert ledger.account("team-a", "2026-11")["pending"] == pytest.approx(0.4)  # the second hold never was
+        assert [r.kind for r in ledger.records()] == ["admission"] and ledger.verify().ok
+    finally:
+        calls.drop(ledger.engine)
+
+
 def test_signed_checkpoints_catch_a_clean_truncation(ledger_url, tmp_path):
     """Truncate the tail and rewrite the head to match: the chain alone cannot tell, a signed checkpoint can."""
     from typer.testing import CliRunner

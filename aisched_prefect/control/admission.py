@@ -21,6 +21,7 @@ from aisched_prefect.control import stages
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.errors import AdmissionDenied, InvalidLedgerInput
+from aisched_prefect.evidence import EvidenceRecord
 from aisched_prefect.ledger import BudgetExceeded, Hold, Ledger
 from aisched_prefect.request import AIRequest
 from aisched_prefect.wire import CallMeta
@@ -94,8 +95,11 @@ class Admitter:
         return AdmissionDenied(stage, reason, fix)
 
     def admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str, args_digest: str,
-              approver: str = "pause") -> Admission:
-        """Admit one call, or raise AdmissionDenied (recorded) or ApprovalNeeded (budget held, request recorded)."""
+              approver: str = "pause", on_admitted: Callable[[Any, Admission], None] | None = None) -> Admission:
+        """Admit one call, or raise AdmissionDenied (recorded) or ApprovalNeeded (budget held, request recorded).
+
+        `on_admitted(conn, admission)` runs in the transaction that takes an admitted call's holds (not a call
+        that waits for a person): what it writes there is committed with them."""
         snap = self.state.refresh()
         ids = {"flow_run_id": meta.flow_run_id, "task_run_id": meta.task_run_id, "principal": cred.principal}
         if self.state.broken is not None:  # fail closed: authority read from a log that was tampered with is no authority
@@ -149,22 +153,35 @@ class Admitter:
                     expires_at=stages.earliest_expiry(chain), facts=facts, shares=shares, priority=priority,
                     payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
                     approval=found, approval_digest=payload["approval_digest"]), found, existing=True)
+        def build(held: list[Hold], record: EvidenceRecord) -> Admission:
+            return Admission(
+                id=str(record.seq), credential=cred.id, principal=cred.principal, tenant=cred.tenant,
+                flow_run_id=meta.flow_run_id, task_run_id=meta.task_run_id, task_name=meta.task_name,
+                flow_name=meta.flow_name, run_key=meta.run_key, request=request, workers=workers, holds=held,
+                reserved=estimate.amount, priced_type=estimate.gpu_type_priced, chain=payload["chain"],
+                expires_at=stages.earliest_expiry(chain), facts=facts, shares=shares, priority=priority,
+                payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
+                approval=approval_id, approval_digest=payload.get("approval_digest"))
+
+        approval_id = uuid.uuid4().hex if asking else None
+        built: list[Admission] = []
+
+        def also(conn: Any, held: list[Hold], record: EvidenceRecord) -> None:
+            built[:] = [build(held, record)]
+            if on_admitted is not None:
+                on_admitted(conn, built[0])
+
         try:
             held, record = self.ledger.reserve(
                 stages.lines(bound, facts, usage, shares), kind="approval-requested" if asking else "admission",
-                payload={**payload, "approval": "pending" if asking else "not required"}, **ids)
+                payload={**payload, "approval": "pending" if asking else "not required"}, **ids,
+                also=None if asking else also)
         except BudgetExceeded as exc:
             raise self.deny("budget", str(exc), f"an operator raises the limit of {exc.budget!r} in budget "
                             f"{bound.budget.name!r}, or lower est_seconds/gpus/est_tokens", payload, ids) from None
         except InvalidLedgerInput as exc:  # the ledger cannot book it (e.g. an account name too long): nothing held
             raise self.deny("budget", exc.reason, exc.fix, payload, ids) from None
-        admission = Admission(
-            id=str(record.seq), credential=cred.id, principal=cred.principal, tenant=cred.tenant, flow_run_id=meta.flow_run_id,
-            task_run_id=meta.task_run_id, task_name=meta.task_name, flow_name=meta.flow_name, run_key=meta.run_key,
-            request=request, workers=workers, holds=held, reserved=estimate.amount, priced_type=estimate.gpu_type_priced,
-            chain=payload["chain"], expires_at=stages.earliest_expiry(chain), facts=facts, shares=shares,
-            priority=priority, payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
-            approval=uuid.uuid4().hex if asking else None, approval_digest=payload.get("approval_digest"))
+        admission = built[0] if built else build(held, record)
         if facts.first_of_version and meta.flow_name:
             self.ledger.mark_flow_version(meta.flow_name, facts.flow_version or "")
             self._versions_seen.add((meta.flow_name, facts.flow_version or ""))

@@ -117,9 +117,14 @@ class CallBook:
                                  .values(replica=self.replica, updated_at=now)).rowcount
         return ("takeover" if taken == 1 else "busy"), row
 
-    def admitted(self, key: str, admission: dict[str, Any]) -> None:
-        with self.ledger.engine.begin() as conn:
-            conn.execute(calls.update().where(calls.c.key == key).values(admission=admission, updated_at=time.time()))
+    def admitted(self, key: str, admission: dict[str, Any], conn: Any = None) -> None:
+        """The call's admission, for a replica that takes it over; `conn`: in the transaction that holds its budget,
+        so a replica killed right after the holds were taken leaves them found, not held twice."""
+        if conn is None:
+            with self.ledger.engine.begin() as conn:
+                self.admitted(key, admission, conn)
+            return
+        conn.execute(calls.update().where(calls.c.key == key).values(admission=admission, updated_at=time.time()))
 
     def done(self, key: str, reply: dict[str, Any]) -> None:
         with self.ledger.engine.begin() as conn:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -387,7 +388,8 @@ class ControlPlane:
                                                                 replica=row.replica, taken_over_by=self.replica),
                                **admission.ids)
             else:
-                admission = self._admit(cred, meta, request, payload_digest, args_digest)
+                admission = self._admit(cred, meta, request, payload_digest, args_digest,
+                                        lambda conn, adm: self.calls.admitted(key, adm.model_dump(mode="json"), conn))
         except _Early as early:
             self.calls.done(key, early.reply.model_dump(mode="json"))
             return early.reply, b""
@@ -400,12 +402,13 @@ class ControlPlane:
         return reply, out
 
     def _admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str,
-               args_digest: str) -> Admission:
-        """A new admission, or the one an approval allows; an outcome that ends the call here raises _Early."""
+               args_digest: str, on_admitted: Callable[[Any, Admission], None]) -> Admission:
+        """A new admission (`on_admitted` files it with the call in the transaction that holds its budget), or the
+        one an approval allows; an outcome that ends the call here raises _Early."""
         try:
             if meta.admission is not None:
                 return self._continue(cred, meta, payload_digest)
-            return self.admitter.admit(cred, meta, request, payload_digest, args_digest, meta.approver)
+            return self.admitter.admit(cred, meta, request, payload_digest, args_digest, meta.approver, on_admitted)
         except AdmissionDenied as exc:
             raise _Early(denied(exc.stage, exc.reason, exc.fix)) from None
         except ApprovalNeeded as need:

@@ -142,17 +142,29 @@ class Ledger:
     # -- budget -------------------------------------------------------------------------
     def reserve(self, lines: list[BudgetLine], amount: float | None = None, *, kind: str, payload: dict[str, Any],
                 flow_run_id: str | None, task_run_id: str | None, principal: str | None,
-                lease_seconds: float | None = None) -> tuple[list[Hold], EvidenceRecord]:
+                lease_seconds: float | None = None,
+                also: Callable[[Any, list[Hold], EvidenceRecord], None] | None = None) -> tuple[list[Hold], EvidenceRecord]:
         """Hold each line's amount on its account (all or none, one group) and record `kind` evidence.
 
         `amount`, when given, is held on every line instead of the line's own. The same account
         twice is one hold of the sum. The group's lease runs `lease_seconds` (default: the
         ledger's); renew it with `renew` while the work runs. Raises BudgetExceeded when an
         account has no room, InvalidAmount for an amount that is not a finite number from 0 to 1e12.
+        `also(conn, holds, record)` writes the caller's own rows in the same transaction (on the
+        same database): they are committed with the holds or not at all.
         """
         checked = checked_lines(lines, amount)
         lease = self.lease_seconds if lease_seconds is None else check_lease(lease_seconds)
-        return self._write(reserve_op(checked, lease, kind, payload, _ids(flow_run_id, task_run_id, principal)))
+        op = reserve_op(checked, lease, kind, payload, _ids(flow_run_id, task_run_id, principal))
+        if also is None:
+            return self._write(op)
+
+        def op_and_also(w: WriteBatch) -> tuple[list[Hold], EvidenceRecord]:
+            held, record = op(w)
+            also(w.conn, held, record)
+            return held, record
+
+        return self._write(op_and_also)
 
     def settle(self, hold_ids: list[str], actual: float | dict[str, float] | None, *, kind: str, payload: dict[str, Any],
                flow_run_id: str | None, task_run_id: str | None,

@@ -8,6 +8,8 @@ certificate the cluster's scheduler asks for.
 
 from __future__ import annotations
 
+import gc
+
 import dask
 import pytest
 from distributed import Client
@@ -70,6 +72,10 @@ def test_a_control_plane_the_flow_starts_itself_cannot_reach_the_cluster(gpu_clu
             with pytest.raises(Exception) as refused:
                 ControlPlane(Settings(home=tmp_path / f"home-{n}"), dask_address=address, dask_tls=dask_tls)
             assert not isinstance(refused.value, AssertionError), refused.value
+            # The refused Dask client is collected here, not inside another client's close (distributed's
+            # class-wide LoopRunner lock: collected there, its close waits on that lock forever).
+            del refused
+            gc.collect()
 
 
 def test_tickets_signed_by_a_key_of_the_flows_own_are_refused_by_every_worker(dask_client):
