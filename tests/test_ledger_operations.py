@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from fractions import Fraction
 
 import pytest
@@ -308,6 +309,20 @@ def test_a_host_whose_clock_runs_ahead_neither_expires_live_holds_nor_forgets_th
     assert later.account("org/week", "rolling-7d")["posted"] == 0.5
     with pytest.raises(BudgetExceeded):
         reserve(later, [week], 0.6)
+
+
+def test_the_calendar_period_a_charge_falls_into_is_the_databases(ledger_url, monkeypatch):
+    """A replica whose host clock runs 40 days ahead still names the database's month (the control plane builds
+    every admission's budget lines at `ledger.now()`), so all replicas charge the same month's account."""
+    from blocks.budget import period_key
+
+    month = Ledger(ledger_url).now().strftime("%Y-%m")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 40 * 86_400)
+    ahead = Ledger(ledger_url)
+    assert abs(ahead.now().timestamp() - real()) < 5
+    host = datetime.fromtimestamp(time.time(), timezone.utc)  # what the host's own clock says: 40 days on
+    assert period_key("monthly", ahead.now()) == month != period_key("monthly", host)
 
 
 # -- 7. money never drifts ------------------------------------------------------------------------

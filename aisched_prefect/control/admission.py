@@ -173,7 +173,8 @@ class Admitter:
 
         try:
             held, record = self.ledger.reserve(
-                stages.lines(bound, facts, usage, shares), kind="approval-requested" if asking else "admission",
+                stages.lines(bound, facts, usage, shares, self.ledger.now()),
+                kind="approval-requested" if asking else "admission",
                 payload={**payload, "approval": "pending" if asking else "not required"}, **ids,
                 also=None if asking else also)
         except BudgetExceeded as exc:
@@ -227,11 +228,10 @@ class Admitter:
             raise self.deny(exc.stage, exc.reason, exc.fix, payload, admission.ids) from None
         usage = stages.expected_usage(admission.request, admission.reserved)
         try:
-            held, record = self.ledger.reserve(stages.lines(bound, admission.facts, usage, admission.shares),
-                                               kind="admission", payload={**payload, "chain": [g.id for g in chain],
-                                                                          "grant": chain[-1].id,
-                                                                          "approval": "requeued after preemption"},
-                                               **admission.ids)
+            lines = stages.lines(bound, admission.facts, usage, admission.shares, self.ledger.now())
+            held, record = self.ledger.reserve(lines, kind="admission", payload={
+                **payload, "chain": [g.id for g in chain], "grant": chain[-1].id,
+                "approval": "requeued after preemption"}, **admission.ids)
         except InvalidLedgerInput as exc:
             raise self.deny("budget", exc.reason, exc.fix, payload, admission.ids) from None
         except BudgetExceeded as exc:

@@ -284,7 +284,8 @@ class ControlPlane:
                 continue
             authorities = [a.version for (k, _), a in snap.configs.items() if k == "authority"]
             version = budget.version + max(authorities, default=0)
-            self.ledger.apply_limits(budget.model.limit_lines(name, config_version=version), version, by=by)
+            self.ledger.apply_limits(budget.model.limit_lines(name, self.ledger.now(), config_version=version), version,
+                                     by=by)
 
     # -- grants -----------------------------------------------------------------------------
     def delegate(self, caller: Credential, parent: str, *, id: str, principal: str, authority: str | None = None,

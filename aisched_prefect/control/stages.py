@@ -131,11 +131,13 @@ def policy(bound: Bound, facts: RunFacts) -> ApprovalOutcome | None:
     return outcome
 
 
-def lines(bound: Bound, facts: RunFacts, usage: Usage, shares: dict[str, float]) -> list[BudgetLine]:
+def lines(bound: Bound, facts: RunFacts, usage: Usage, shares: dict[str, float],
+          now: datetime | None = None) -> list[BudgetLine]:
     """Stage 5: every account the hold must fit: the budget's covering limits, and for each grant of the
-    chain with a budget_share below 1, that share of each of them as an account of its own (`<account>#<grant>`)."""
+    chain with a budget_share below 1, that share of each of them as an account of its own (`<account>#<grant>`).
+    `now`: the ledger's (database) clock, which names the calendar period every replica charges."""
     budget: BudgetBlock = bound.budget.model
-    out = budget.lines(bound.budget.name, facts, usage, config_version=config_version(bound))
+    out = budget.lines(bound.budget.name, facts, usage, now=now, config_version=config_version(bound))
     return out + [line.model_copy(update={"budget": f"{line.budget}#{gid}", "limit": line.limit * share})
                   for gid, share in shares.items() for line in out]
 

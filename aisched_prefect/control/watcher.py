@@ -185,7 +185,7 @@ class Watcher:
         except AdmissionDenied as exc:
             why = f"{exc.stage}: {exc.reason}"
         if why is None:
-            lines = stages.lines(bound, adm.facts, usage, adm.shares)
+            lines = stages.lines(bound, adm.facts, usage, adm.shares, self.dispatcher.ledger.now())
             try:  # atomically with the run's settlement: a run settled meanwhile takes no top-up
                 taken = r.add_holds(lambda: self.dispatcher.ledger.reserve(
                     lines, kind="top-up", payload=payload, **adm.ids)[0])

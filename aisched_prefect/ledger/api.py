@@ -10,7 +10,9 @@ and `limits.py`; reads that reports use are in `queries.py`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -30,6 +32,7 @@ from aisched_prefect.ledger.statements import Statements
 from blocks import BudgetLine, Grant
 
 DEFAULT_LEASE_SECONDS = 300.0
+CLOCK_REFRESH = 30.0  # seconds between readings of the database clock's offset from this host's
 
 
 def _ids(flow_run_id: str | None, task_run_id: str | None, principal: str | None) -> dict[str, Any]:
@@ -74,6 +77,17 @@ class Ledger:
         self._sql = Statements(self.engine.dialect)
         self._commits = GroupCommit(self.engine, self._sql, self._alerts, signer)
         migrate(self.engine, self.url)
+        self._offset: tuple[float, float] | None = None  # (database clock - this host's, when it was read: monotonic)
+
+    def now(self) -> datetime:
+        """The database's clock, as UTC: the calendar period a charge falls into is the same on every replica,
+        whatever its host's clock says. Its offset from this host's clock is read at most every CLOCK_REFRESH s."""
+        offset = self._offset
+        if offset is None or time.monotonic() - offset[1] > CLOCK_REFRESH:
+            with self.reader.connect() as conn:
+                host = time.time()
+                offset = self._offset = (queries.db_now(conn) - host, time.monotonic())
+        return datetime.fromtimestamp(time.time() + offset[0], timezone.utc)
 
     def close(self) -> None:
         self._commits.close()
