@@ -34,6 +34,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 PLUGIN_NAME = "dask-gpu-model-limits"
 RELEASE_STREAM_OP = "gpu-limit-release"  # a call ended: sent on the client's batched stream, no round trip
+UNRATE_STREAM_OP = "gpu-limit-unrate"  # a call stopped before its rate slot came: the slot back, if it was the last
 
 
 class ModelLimits(SchedulerPlugin):
@@ -55,10 +56,20 @@ class ModelLimits(SchedulerPlugin):
         scheduler.handlers["gpu_limit_status"] = self.status
         if hasattr(scheduler, "stream_handlers"):
             scheduler.stream_handlers[RELEASE_STREAM_OP] = self._release_stream
+            scheduler.stream_handlers[UNRATE_STREAM_OP] = self._unrate_stream
 
     def _release_stream(self, name: str, client: str | None = None, **kwargs: Any) -> None:
         if client is not None:
             self.release(name, client)
+
+    def _unrate_stream(self, name: str, slot: float, per_minute: float, **kwargs: Any) -> None:
+        self.unrate(name, slot, per_minute)
+
+    def unrate(self, name: str, slot: float, per_minute: float) -> None:
+        """A call that will not start (its authority ended while it waited) gives its rate slot back, if it was
+        the last one handed out; later slots stay where they are (their calls were told their times)."""
+        if self._next.get(name) == slot + 60.0 / per_minute:
+            self._next[name] = slot
 
     def _in_flight(self, name: str) -> int:
         return sum(self._held.get(name, {}).values())

@@ -236,3 +236,23 @@ def test_rate_slots_are_spaced_whatever_the_concurrency():
     slots = asyncio.run(burst())
     assert [round(s["delay"], 2) for s in slots] == [round(0.5 * i, 2) for i in range(10)]
     assert [round(b["slot"] - a["slot"], 6) for a, b in zip(slots, slots[1:])] == [0.5] * 9
+
+
+def test_a_call_that_will_not_start_gives_its_rate_slot_back_if_it_was_the_last():
+    """A call revoked while it waited for its rate slot: the next call takes that slot, unless later calls were
+    already told later slots (they keep theirs; the freed one is not handed out twice)."""
+    import asyncio
+
+    from dask_gpu.limits import ModelLimits
+
+    async def scenario():
+        lim = ModelLimits()
+        take = dict(name="r", per_minute=60, concurrency=None, client="c")
+        first, second, third = [await lim.acquire(**take) for _ in range(3)]
+        lim.unrate("r", second["slot"], 60)  # not the last: nothing moves
+        assert round(lim.status()["r"]["next_slot_in"]) == 3
+        lim.unrate("r", third["slot"], 60)  # the last: the next call gets it
+        fourth = await lim.acquire(**take)
+        assert fourth["slot"] == third["slot"] and round(fourth["slot"] - first["slot"]) == 2
+
+    asyncio.run(scenario())
