@@ -45,6 +45,8 @@ class Settings(BaseSettings):
     drift_seconds: float = Field(default=30.0, gt=0, description="How often applied blocks are compared with Prefect's.")
     checkpoint_seconds: float = Field(default=60.0, gt=0, description="How often a moved head is signed and published.")
     day_report_seconds: float = Field(default=300.0, gt=0, description="How often the day's usage artifact is rebuilt.")
+    queue_sync_seconds: float = Field(default=30.0, gt=0, description="How often the control plane sets the queue's "
+                                      "tenant weights on the scheduler again (a restarted scheduler gets them back).")
 
     def ledger(self) -> str:
         if self.ledger_url:

@@ -130,6 +130,30 @@ def test_applying_a_cluster_block_sets_its_tenant_weights_on_the_queue(control_p
     assert not {"qw-a", "qw-b"} & set(weights())  # the session's queue is shared by other tests
 
 
+def test_a_scheduler_queue_without_its_weights_gets_them_back(control_plane, dask_client):
+    """A scheduler that restarted has a fresh queue (its preload installs one) with no tenant weights: the control
+    plane sets them again every AISCHED_QUEUE_SYNC_SECONDS, without an operator applying anything."""
+    from tests.conftest import QUEUE_SYNC_SECONDS
+
+    def weights() -> dict:
+        return control_plane.ok("GET", "/v1/queue")["weights"]
+
+    def forget(dask_scheduler) -> None:
+        dask_scheduler.plugins["dask-gpu-queue"].set_weights({})
+
+    control_plane.apply("cluster", "weights-sync", ClusterBlock(tenant_weights={"qs-a": 4.0}))
+    try:
+        assert weights().get("qs-a") == 4.0
+        dask_client.run_on_scheduler(forget)
+        assert "qs-a" not in weights()
+        deadline = time.monotonic() + 10 * QUEUE_SYNC_SECONDS
+        while weights().get("qs-a") != 4.0:
+            assert time.monotonic() < deadline, "the control plane never set the weights again"
+            time.sleep(0.1)
+    finally:
+        control_plane.apply("cluster", "weights-sync", ClusterBlock())
+
+
 # -- a control plane that dies ------------------------------------------------------------------------------------
 
 VICTIM = '''

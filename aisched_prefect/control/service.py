@@ -164,6 +164,8 @@ class ControlPlane:
                       (settings.day_report_seconds, self.publish_day_report)]
             if checkpoint_dir is not None:
                 chores.append((settings.checkpoint_seconds, self.checkpoint_if_moved))
+            if queue:  # a scheduler that restarted (its queue installed afresh by its preload) gets the weights back
+                chores.append((settings.queue_sync_seconds, self._set_queue_weights))
             self.watcher = Watcher(self.dispatcher, self.state, settings, heartbeat=self.calls.heartbeat,
                                    periodic=chores)
             self.watcher.start()
