@@ -34,7 +34,6 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 PLUGIN_NAME = "dask-gpu-model-limits"
 RELEASE_STREAM_OP = "gpu-limit-release"  # a call ended: sent on the client's batched stream, no round trip
-UNRATE_STREAM_OP = "gpu-limit-unrate"  # a call stopped before its rate slot came: the slot back, if it was the last
 
 
 class ModelLimits(SchedulerPlugin):
@@ -56,14 +55,15 @@ class ModelLimits(SchedulerPlugin):
         scheduler.handlers["gpu_limit_status"] = self.status
         if hasattr(scheduler, "stream_handlers"):
             scheduler.stream_handlers[RELEASE_STREAM_OP] = self._release_stream
-            scheduler.stream_handlers[UNRATE_STREAM_OP] = self._unrate_stream
 
-    def _release_stream(self, name: str, client: str | None = None, **kwargs: Any) -> None:
+    def _release_stream(self, name: str, client: str | None = None, unrate: float | None = None,
+                        per_minute: float | None = None, **kwargs: Any) -> None:
+        """A call ended; `unrate`: the rate slot of a call that never started, to give back (`unrate`). One op for
+        both: a scheduler whose plugin predates a field ignores it (an unknown op would close the client's stream)."""
         if client is not None:
             self.release(name, client)
-
-    def _unrate_stream(self, name: str, slot: float, per_minute: float, **kwargs: Any) -> None:
-        self.unrate(name, slot, per_minute)
+        if unrate is not None and per_minute is not None:
+            self.unrate(name, unrate, per_minute)
 
     def unrate(self, name: str, slot: float, per_minute: float) -> None:
         """A call that will not start (its authority ended while it waited) gives its rate slot back, if it was

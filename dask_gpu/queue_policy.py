@@ -907,10 +907,12 @@ class FinishTimeFair(EasyBackfill):
             begin = max(now, self.backlog.get(t, now))
             self.backlog[t] = begin + job.gpus * job.estimate / gpus
             self.alone[job.id] = begin - now + job.estimate
-            self.alone_sum[t] = self.alone_sum.get(t, 0.0) + self.alone[job.id] * self._weight(now)
+            w = self._weight(now)  # first: a rebase rescales the sums it reads
+            self.alone_sum[t] = self.alone_sum.get(t, 0.0) + self.alone[job.id] * w
         if job.id in self.done_by:  # requeued after a preemption: its first start no longer counts
             took, at = self.done_by.pop(job.id)
-            self.done[t] -= took * self._weight(at)
+            w = self._weight(at)
+            self.done[t] -= took * w
         bisect.insort(self.queues.setdefault(t, []), ((-job.priority, job.gpus * job.estimate), job.id, job))
         if self.overdue:
             heapq.heappush(self.due, (self._due(job), job.id, job))
@@ -949,7 +951,8 @@ class FinishTimeFair(EasyBackfill):
         for job in jobs:
             alone = self.alone.pop(job.id, None)
             if alone is not None:
-                self.alone_sum[job.tenant] -= alone * self._weight(job.submit)
+                w = self._weight(job.submit)
+                self.alone_sum[job.tenant] -= alone * w
         self.remove(jobs)
 
     def finish(self, jobs: list[Job]) -> None:
@@ -1095,7 +1098,8 @@ class FinishTimeFair(EasyBackfill):
                     holders.add(job.tenant)
         for s in starts:
             took = now - s.job.submit + s.job.estimate
-            self.done[s.job.tenant] = self.done.get(s.job.tenant, 0.0) + took * self._weight(now)
+            w = self._weight(now)  # first: a rebase rescales the sums it reads
+            self.done[s.job.tenant] = self.done.get(s.job.tenant, 0.0) + took * w
             if s.job.preemptible:
                 self.done_by[s.job.id] = (took, now)
         self.remove([s.job for s in starts])

@@ -309,3 +309,16 @@ def test_fairness_memory_fades_with_its_half_life():
     assert GPUQueuePlugin().policy.half_life == LIVE_HALF_LIFE == 7 * 24 * 3600.0
     with pytest.raises(ValueError, match="half_life must be positive"):
         FinishTimeFair(half_life=0)
+
+
+def test_faded_sums_stay_right_across_a_rebase_of_their_epoch():
+    """Past 512 half-lives the stored sums are rescaled to a new epoch; the sum being added to is rescaled too."""
+    from dask_gpu.queue_policy import ClusterState, FinishTimeFair, Job
+
+    policy, state = FinishTimeFair(half_life=10.0), ClusterState(free=[1])
+    _run_to_end(policy, state, 0.0, [Job(1, "a", 1, 0.0, 1000.0), Job(2, "b", 1, 0.0, 1000.0)])
+    later = 10_000.0  # 1,000 half-lives after the epoch: this submit moves it
+    _run_to_end(policy, state, later, [Job(3, "b", 1, later, 10.0)])
+    assert policy.epoch == later
+    assert policy.rho("b", later) == pytest.approx(1.0, abs=1e-9)
+    assert all(math.isfinite(v) and v < 1e6 for v in [*policy.done.values(), *policy.alone_sum.values()])

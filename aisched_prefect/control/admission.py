@@ -153,6 +153,8 @@ class Admitter:
                     expires_at=stages.earliest_expiry(chain), facts=facts, shares=shares, priority=priority,
                     payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
                     approval=found, approval_digest=payload["approval_digest"]), found, existing=True)
+        approval_id = uuid.uuid4().hex if asking else None
+
         def build(held: list[Hold], record: EvidenceRecord) -> Admission:
             return Admission(
                 id=str(record.seq), credential=cred.id, principal=cred.principal, tenant=cred.tenant,
@@ -163,7 +165,6 @@ class Admitter:
                 payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
                 approval=approval_id, approval_digest=payload.get("approval_digest"))
 
-        approval_id = uuid.uuid4().hex if asking else None
         built: list[Admission] = []
 
         def also(conn: Any, held: list[Hold], record: EvidenceRecord) -> None:
@@ -184,8 +185,11 @@ class Admitter:
             raise self.deny("budget", exc.reason, exc.fix, payload, ids) from None
         admission = built[0] if built else build(held, record)
         if facts.first_of_version and meta.flow_name:
-            self.ledger.mark_flow_version(meta.flow_name, facts.flow_version or "")
-            self._versions_seen.add((meta.flow_name, facts.flow_version or ""))
+            try:  # the holds are taken and filed: a failure here must not fail the call (unmarked, it asks again)
+                self.ledger.mark_flow_version(meta.flow_name, facts.flow_version or "")
+                self._versions_seen.add((meta.flow_name, facts.flow_version or ""))
+            except Exception:
+                logger.exception("could not mark flow %s version %s as seen", meta.flow_name, facts.flow_version)
         if asking:
             raise ApprovalNeeded(admission, admission.approval or "")
         return admission

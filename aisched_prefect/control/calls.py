@@ -17,7 +17,15 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 
+from aisched_prefect.errors import AISchedError
 from aisched_prefect.ledger import Ledger
+
+ABANDONED = "(abandoned)"  # the replica name of an admitted call its replica gave up: the next to see it takes it over
+
+
+class CallTakenOver(AISchedError):
+    """Another replica took this call over while this one admitted it (its heartbeat stalled); the client retries."""
+
 
 metadata = sa.MetaData()
 calls = sa.Table(
@@ -119,12 +127,16 @@ class CallBook:
 
     def admitted(self, key: str, admission: dict[str, Any], conn: Any = None) -> None:
         """The call's admission, for a replica that takes it over; `conn`: in the transaction that holds its budget,
-        so a replica killed right after the holds were taken leaves them found, not held twice."""
+        so a replica killed right after the holds were taken leaves them found, not held twice. Raises CallTakenOver
+        (rolling that transaction back) if another replica took the call over meanwhile (this one's heartbeat
+        stalled): only one of them holds budget for it."""
         if conn is None:
             with self.ledger.engine.begin() as conn:
                 self.admitted(key, admission, conn)
             return
-        conn.execute(calls.update().where(calls.c.key == key).values(admission=admission, updated_at=time.time()))
+        mine = (calls.c.key == key) & (calls.c.replica == self.replica) & (calls.c.status == "running")
+        if conn.execute(calls.update().where(mine).values(admission=admission, updated_at=time.time())).rowcount != 1:
+            raise CallTakenOver(f"call {key} was taken over by another replica")
 
     def done(self, key: str, reply: dict[str, Any]) -> None:
         with self.ledger.engine.begin() as conn:
@@ -132,7 +144,15 @@ class CallBook:
                          .values(status="done", reply=reply, updated_at=time.time()))
 
     def release(self, key: str) -> None:
-        """Forget a claim whose call failed before it decided anything (bad input): the client may send it again."""
+        """A claim whose call failed here: forgotten if nothing was decided (bad input), so the client may send it
+        again; left for a takeover if it was admitted (its holds are filed with it), so the retry continues that
+        admission on whichever replica it reaches, never holding budget twice."""
+        mine = (calls.c.key == key) & (calls.c.replica == self.replica) & (calls.c.status == "running")
         with self.ledger.engine.begin() as conn:
-            conn.execute(calls.delete().where((calls.c.key == key) & (calls.c.replica == self.replica)
-                                              & (calls.c.admission.is_(None))))
+            row = conn.execute(sa.select(calls.c.admission).where(mine)).first()
+            if row is None:
+                return
+            if row.admission is None:  # (stored as JSON null: compared here, not in SQL)
+                conn.execute(calls.delete().where(mine))
+            else:
+                conn.execute(calls.update().where(mine).values(replica=ABANDONED, updated_at=time.time()))

@@ -39,7 +39,6 @@ from blocks import MAX_AMOUNT, BudgetBlock, ModelLimit, UnpriceableRequest, Usag
 from dask_gpu import WorkerDied, WorkerInventory, cluster_inventories, request_stop
 from dask_gpu.errors import StopRequested
 from dask_gpu.limits import RELEASE_STREAM_OP as LIMIT_RELEASE_STREAM_OP
-from dask_gpu.limits import UNRATE_STREAM_OP as LIMIT_UNRATE_STREAM_OP
 from dask_gpu.queue_plugin import LEAVE_STREAM_OP
 from dask_gpu.sandbox import Body, Outcome, run_ticketed
 from dask_gpu.tickets import DIED_TOPIC, STATES_OP, WHERE_OP, Ticket, TicketRejected, TicketSigner
@@ -583,19 +582,19 @@ class Dispatcher:
             yield
             return
         start = time.monotonic() + got["delay"]  # slept on this clock: the scheduler's wall clock may differ
+        unrate: dict[str, float] = {}
         try:
             while state.stop_reason is None and (left := start - time.monotonic()) > 0:  # its start slot
                 state.wake.wait(left)
                 state.wake.clear()
             if state.stop_reason is not None and lim.per_minute is not None:  # it will not start: the slot back
-                self.client._send_to_scheduler({"op": LIMIT_UNRATE_STREAM_OP, "name": lim.slug, "slot": got["slot"],
-                                                "per_minute": lim.per_minute})
+                unrate = {"unrate": got["slot"], "per_minute": lim.per_minute}
             state.model_limit = {"limit": lim.model, "waited": time.monotonic() - t0, "slot": got["slot"],
                                  "rate_wait": got["delay"]}
             state.submitted = time.monotonic()  # what ran is counted from here, not from the wait
             yield
         finally:  # on the client's batched stream: no round trip
-            self.client._send_to_scheduler({"op": LIMIT_RELEASE_STREAM_OP, "name": lim.slug})
+            self.client._send_to_scheduler({"op": LIMIT_RELEASE_STREAM_OP, "name": lim.slug, **unrate})
 
 
 ALERT_EVENT = "aisched.budget.threshold-crossed"

@@ -30,7 +30,7 @@ from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
 from aisched_prefect.control.approvals import ApprovalBook, ApprovalError
 from aisched_prefect.control import records
-from aisched_prefect.control.calls import CallBook
+from aisched_prefect.control.calls import CallBook, CallTakenOver
 from aisched_prefect.control.dispatch import Dispatcher, denied, emit_budget_alert
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
@@ -375,6 +375,7 @@ class ControlPlane:
                                "own flow run", 403)
         key = f"{meta.task_run_id}/{meta.attempt}" + (f"/{meta.admission}" if meta.admission else "")
         claim, row = self.calls.claim(key)
+        filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
         if claim == "busy":
             raise Busy(f"this call is running on replica {row.replica}: wait for it (the client retries)")
         if claim == "done":  # its reply was lost in transit: say so, never run it twice
@@ -391,15 +392,21 @@ class ControlPlane:
                                                                 replica=row.replica, taken_over_by=self.replica),
                                **admission.ids)
             else:
-                admission = self._admit(cred, meta, request, payload_digest, args_digest,
-                                        lambda conn, adm: self.calls.admitted(key, adm.model_dump(mode="json"), conn))
+                def file_with_holds(conn: Any, adm: Admission) -> None:
+                    self.calls.admitted(key, adm.model_dump(mode="json"), conn)
+                    filed.append(adm.id)
+
+                admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds)
         except _Early as early:
             self.calls.done(key, early.reply.model_dump(mode="json"))
             return early.reply, b""
+        except CallTakenOver as exc:  # nothing of this admission committed: the call is the other replica's
+            raise Busy(f"{exc}: wait for it (the client retries)") from None
         except BaseException:
             self.calls.release(key)
             raise
-        self.calls.admitted(key, admission.model_dump(mode="json"))
+        if admission.id not in filed:  # taken over, or continued after an approval: filed here
+            self.calls.admitted(key, admission.model_dump(mode="json"))
         reply, out = self.dispatcher.execute(admission, Body(payload=blob, modules=meta.modules), self.admitter)
         self.calls.done(key, reply.model_dump(mode="json"))
         return reply, out
