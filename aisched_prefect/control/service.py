@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -122,6 +123,7 @@ class ControlPlane:
         self._checkpointed = -1
         self._signed: tuple[int, str] = (0, "")
         self._day_reported = -1
+        self._weights_lock = threading.Lock()  # an apply and the periodic sync set the queue's weights in turn
         self._stack = ExitStack()
         try:
             self.key = load_or_make_key(key_path or settings.home / "control.key")
@@ -270,7 +272,8 @@ class ControlPlane:
         from dask_gpu import install_queue
 
         try:
-            install_queue(self.client, weights=self.tenant_weights())
+            with self._weights_lock:  # read and sent together: a sync that read before an apply cannot land after it
+                install_queue(self.client, weights=self.tenant_weights())
         except Exception:
             logger.exception("could not set the tenant weights on the cluster's queue")
 
