@@ -336,7 +336,7 @@ class PauseDesk:
         poller = threading.Thread(target=poll, name="aisched-approval-poll", daemon=True)
         poller.start()
         try:
-            # poll_interval: Prefect checks every 10 s by default; a decision should not wait to be seen (a read a 0.2 s).
+            # poll_interval: Prefect checks every 10 s by default; a decision is seen within 0.2 s (one cheap read each).
             answer = pause_flow_run(wait_for_input=ApprovalInput.with_initial_data(description=self._describe()),
                                     timeout=timeout, poll_interval=0.2, key=f"aisched-approval-{uuid.uuid4().hex[:12]}")
             stop.set()

@@ -165,25 +165,20 @@ class Admitter:
                 payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
                 approval=approval_id, approval_digest=payload.get("approval_digest"))
 
-        built: list[Admission] = []
-
-        def also(conn: Any, held: list[Hold], record: EvidenceRecord) -> None:
-            built[:] = [build(held, record)]
-            if on_admitted is not None:
-                on_admitted(conn, built[0])
-
+        file_with_holds = (None if asking or on_admitted is None else
+                           lambda conn, held, record: on_admitted(conn, build(held, record)))
         try:
             held, record = self.ledger.reserve(
                 stages.lines(bound, facts, usage, shares, self.ledger.now()),
                 kind="approval-requested" if asking else "admission",
                 payload={**payload, "approval": "pending" if asking else "not required"}, **ids,
-                also=None if asking else also)
+                also=file_with_holds)
         except BudgetExceeded as exc:
             raise self.deny("budget", str(exc), f"an operator raises the limit of {exc.budget!r} in budget "
                             f"{bound.budget.name!r}, or lower est_seconds/gpus/est_tokens", payload, ids) from None
         except InvalidLedgerInput as exc:  # the ledger cannot book it (e.g. an account name too long): nothing held
             raise self.deny("budget", exc.reason, exc.fix, payload, ids) from None
-        admission = built[0] if built else build(held, record)
+        admission = build(held, record)  # the same admission the call was filed with (build is pure)
         if facts.first_of_version and meta.flow_name:
             try:  # the holds are taken and filed: a failure here must not fail the call (unmarked, it asks again)
                 self.ledger.mark_flow_version(meta.flow_name, facts.flow_version or "")

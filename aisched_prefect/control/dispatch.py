@@ -166,7 +166,8 @@ class Dispatcher:
         used = Usage(money=money, gpu_hours=request.gpus * seconds / 3600, tokens=tokens)
         facts = admission.facts.model_copy(update={"gpu_types": (gpu_type,)}) if gpu_type else admission.facts
         # Above MAX_AMOUNT no ledger books it; above its holds a charge posts only what the budgets have left anyway.
-        return {line.budget: min(line.amount, MAX_AMOUNT) for line in stages.lines(bound, facts, used, admission.shares)}
+        lines = stages.lines(bound, facts, used, admission.shares, self.ledger.now())
+        return {line.budget: min(line.amount, MAX_AMOUNT) for line in lines}
 
     def settle(self, running: Running | Admission, charges: dict[str, float] | None, payload: dict[str, Any]) -> None:
         adm = running.admission if isinstance(running, Running) else running

@@ -131,8 +131,7 @@ def policy(bound: Bound, facts: RunFacts) -> ApprovalOutcome | None:
     return outcome
 
 
-def lines(bound: Bound, facts: RunFacts, usage: Usage, shares: dict[str, float],
-          now: datetime | None = None) -> list[BudgetLine]:
+def lines(bound: Bound, facts: RunFacts, usage: Usage, shares: dict[str, float], now: datetime) -> list[BudgetLine]:
     """Stage 5: every account the hold must fit: the budget's covering limits, and for each grant of the
     chain with a budget_share below 1, that share of each of them as an account of its own (`<account>#<grant>`).
     `now`: the ledger's (database) clock, which names the calendar period every replica charges."""
