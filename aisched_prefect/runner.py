@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from aisched_prefect.config import REFUSED, RunnerConfig
 from aisched_prefect.errors import ConfigurationError, NoAdmissionContext
 from aisched_prefect.session import RunnerSession
+from aisched_prefect.stream import LoopThread
 
 
 class AISchedTaskRunner(ThreadPoolTaskRunner):
@@ -71,6 +72,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         self._session_error: BaseException | None = None
         self._entered = False
         self._lock = threading.Lock()
+        self._loop: LoopThread | None = None
 
     @property
     def config(self) -> RunnerConfig:
@@ -94,11 +96,38 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
                 raise self._session_error
             if self._session is None:
                 try:
-                    self._session = RunnerSession(self._config)
+                    self._session = RunnerSession(self._config, self._calls_loop())
                 except BaseException as exc:
                     self._session_error = exc
                     raise
             return self._session
+
+    def _calls_loop(self) -> LoopThread:
+        """The one event loop of this flow run's AI task runs (made at the first; called under `_lock`)."""
+        if self._loop is None:
+            self._loop = LoopThread()
+        return self._loop
+
+    def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None, dependencies: Any = None) -> Any:
+        """A plain task runs in a thread, as under ThreadPoolTaskRunner; an AI task waits as a coroutine on the
+        runner's loop, so a `.map()` over 10,000 shards holds no thread per shard (Prefect's async task engine
+        keeps its states, retries and results)."""
+        from aisched_prefect.task import async_twin, request_of
+
+        if request_of(task) is None:
+            return super().submit(task, parameters, wait_for, dependencies)
+        if not self._started:
+            raise RuntimeError("Task runner is not started")
+        from contextvars import copy_context
+
+        from prefect._internal.uuid7 import uuid7
+        from prefect.futures import PrefectConcurrentFuture
+
+        with self._lock:
+            loop = self._calls_loop()
+        task_run_id = uuid7()
+        coro = _run_ai_task(async_twin(task), task_run_id, parameters, wait_for, dependencies)
+        return PrefectConcurrentFuture(task_run_id=task_run_id, wrapped_future=loop.start(coro, copy_context()))
 
     def __enter__(self) -> AISchedTaskRunner:
         super().__enter__()
@@ -111,8 +140,13 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         finally:
             with self._lock:
                 session, self._session, self._entered, self._session_error = self._session, None, False, None
-            if session is not None:
-                session.close()
+                loop, self._loop = self._loop, None
+            try:
+                if session is not None:
+                    session.close()
+            finally:
+                if loop is not None:
+                    loop.close()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AISchedTaskRunner) and other._config == self._config
@@ -127,5 +161,39 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         state["_executor"] = None
         state["_session_error"] = None
         state["_entered"] = False
+        state["_loop"] = None
         state.pop("_lock", None)
         return state
+
+
+async def _run_ai_task(task: Any, task_run_id: Any, parameters: dict[str, Any], wait_for: Any,
+                       dependencies: Any) -> Any:
+    """Prefect's async task engine for one AI task run, once the futures it depends on are done (awaited here:
+    the engine would block the loop on them, and they may be runs on this same loop)."""
+    from prefect.futures import PrefectFuture
+    from prefect.task_engine import run_task_async
+    from prefect.utilities.collections import visit_collection
+
+    futures: list[PrefectFuture[Any]] = []
+
+    def collect(expr: Any) -> Any:
+        if isinstance(expr, PrefectFuture):
+            futures.append(expr)
+        return expr
+
+    visit_collection(parameters, visit_fn=collect, return_data=False)
+    visit_collection(wait_for, visit_fn=collect, return_data=False)
+    if futures:
+        await _all_done(futures)
+    return await run_task_async(task=task, task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
+                                return_type="state", dependencies=dependencies)
+
+
+async def _all_done(futures: list[Any]) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    for f in futures:
+        done = loop.create_future()
+        f.add_done_callback(lambda _f, d=done: loop.call_soon_threadsafe(lambda: d.done() or d.set_result(None)))
+        await done

@@ -8,6 +8,7 @@ approval page). Nothing here decides authority, money or evidence.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import threading
@@ -25,6 +26,7 @@ from aisched_prefect.embedded import EmbeddedControlPlane
 from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, ConfigurationError
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import settings
+from aisched_prefect.stream import CallStream, LoopThread
 from aisched_prefect.wire import ApprovalView, CallMeta, Reply
 from dask_gpu import StopRequested
 from dask_gpu.child import code_digest
@@ -100,10 +102,13 @@ def pickle_body(fn: Callable[..., Any]) -> tuple[bytes, list[str]]:
 class RunnerSession:
     """Open for one flow run: the control plane's client (and the embedded plane, if this run started one)."""
 
-    def __init__(self, config: RunnerConfig) -> None:
+    def __init__(self, config: RunnerConfig, loop: LoopThread) -> None:
         self.config = config
+        self.loop = loop
         self.embedded: EmbeddedControlPlane | None = None
         self.flow_run_ids: set[str] = set()
+        self._pickles: dict[Any, tuple[bytes, list[str], str]] = {}
+        self._pickle_lock = threading.Lock()
         env = settings()
         urls = [u.strip().rstrip("/") for u in config.control_plane.split(",")] if config.control_plane else env.control_plane_urls()
         token = config.credential or (env.token.get_secret_value() if env.token else None)
@@ -113,6 +118,7 @@ class RunnerSession:
                     raise ConfigurationError("a control plane is configured but no credential: set AISCHED_TOKEN to the "
                                              "token an operator issued (aisched credentials issue)")
                 self.client = ControlPlaneClient(urls, token)
+                self.stream = CallStream(urls, token)
                 self.identity = self.client.whoami()
                 self._check_identity()
             else:
@@ -147,6 +153,7 @@ class RunnerSession:
                                              timeout=settings().embedded_start_seconds)
         info = self.embedded.start()
         self.client = ControlPlaneClient([info["url"]], info["token"])
+        self.stream = CallStream([info["url"]], info["token"])
         self.identity = self.client.whoami()
 
     def close(self) -> None:
@@ -154,6 +161,11 @@ class RunnerSession:
             if getattr(self, "client", None) is not None:
                 self._publish_artifacts()
         finally:
+            if getattr(self, "stream", None) is not None and not self.loop.loop.is_closed():
+                try:
+                    self.loop.start(self.stream.aclose()).result(timeout=10)
+                except Exception:
+                    logger.debug("closing the call stream failed", exc_info=True)
             if getattr(self, "client", None) is not None:
                 self.client.close()
             if self.embedded is not None:
@@ -163,22 +175,42 @@ class RunnerSession:
     def run(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             task_name: str, task_run_id: str, flow_run_id: str, flow_name: str | None = None,
             run_key: str | None = None, deployment: bool = False, attempt: int = 1) -> Any:
-        """Admit one call of an AI task at the control plane, run it on its devices there, return its result."""
+        """Admit one call of an AI task at the control plane, run it on its devices there, return its result
+        (waiting in this thread: a direct call in the flow; submitted runs wait as coroutines, `run_async`)."""
+        return self.loop.run(self.run_async(fn, request, args, kwargs, task_name=task_name, task_run_id=task_run_id,
+                                            flow_run_id=flow_run_id, flow_name=flow_name, run_key=run_key,
+                                            deployment=deployment, attempt=attempt))
+
+    async def run_async(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...],
+                        kwargs: dict[str, Any], *, task_name: str, task_run_id: str, flow_run_id: str,
+                        flow_name: str | None = None, run_key: str | None = None, deployment: bool = False,
+                        attempt: int = 1) -> Any:
+        """`run`, as a coroutine on the session's loop: a waiting run holds no thread and no connection."""
         self.flow_run_ids.add(flow_run_id)
-        fn_bytes, modules = pickle_body(fn)
-        blob = fn_bytes + cloudpickle.dumps((args, kwargs))
+        fn_bytes, modules, digest = self._pickled(fn)
+        args_bytes = cloudpickle.dumps((args, kwargs))
         meta = CallMeta(task_name=task_name, task_run_id=task_run_id, flow_run_id=flow_run_id, flow_name=flow_name,
                         run_key=run_key or f"{flow_run_id}/{task_run_id}", request=request.model_dump(mode="json"),
-                        code_digest=code_digest(fn), modules=modules,
+                        code_digest=digest, modules=modules,
                         args_offset=len(fn_bytes), grant=self.config.grant, attempt=attempt,
                         approver="policy" if self.config.approver == "policy" else "pause")
-        reply, out = self.client.call(meta, blob)
+        reply, out = await self.stream.call(meta, fn_bytes, args_bytes)
         while reply.status == "approval-pending":
             assert reply.approval is not None
-            self._hook(reply.approval)
-            view = self._desk.wait(reply.approval, deployment=deployment)
-            reply, out = self.client.call(meta.model_copy(update={"admission": view.id}), blob)
+            await asyncio.to_thread(self._hook, reply.approval)
+            view = await asyncio.to_thread(self._desk.wait, reply.approval, deployment=deployment)
+            reply, out = await self.stream.call(meta.model_copy(update={"admission": view.id}), fn_bytes, args_bytes)
         return self._result(reply, out, task_name)
+
+    def _pickled(self, fn: Callable[..., Any]) -> tuple[bytes, list[str], str]:
+        """The function's pickle, modules and digest, made once per function per session (a .map() of 10,000
+        shards pickles its function once, and sends it once per request)."""
+        with self._pickle_lock:
+            got = self._pickles.get(fn)
+            if got is None:
+                fn_bytes, modules = pickle_body(fn)
+                got = self._pickles[fn] = (fn_bytes, modules, code_digest(fn))
+            return got
 
     def _hook(self, view: ApprovalView) -> None:
         hook = self.config.approval_hook

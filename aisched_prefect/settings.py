@@ -48,6 +48,13 @@ class Settings(BaseSettings):
     queue_sync_seconds: float = Field(default=30.0, gt=0, description="How often the control plane sets the queue's "
                                       "tenant weights on the scheduler again (a restarted scheduler gets them back).")
 
+    session_lease_seconds: float = Field(
+        default=60.0, ge=2, description="A flow process that has not asked for its outcomes for this long is gone: "
+        "its runs still waiting in the queue leave it (those running finish and are settled).")
+    outcome_wait_seconds: float = Field(default=20.0, gt=0, description="Longest single long-poll for outcomes "
+                                        "(below a proxy's idle timeout).")
+    outcome_batch_bytes: int = Field(default=32 * 2**20, gt=0, description="Most result bytes in one outcome poll.")
+
     def ledger(self) -> str:
         if self.ledger_url:
             return self.ledger_url

@@ -32,7 +32,8 @@ def request_of(task: Task[Any, Any]) -> AIRequest | None:
     return getattr(task.fn, REQUEST_ATTR, None)
 
 
-def _admit_and_run(fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _call_context(fn: Callable[..., Any]) -> tuple[Any, dict[str, Any]]:
+    """The runner of the flow run this call belongs to, and what the control plane is told of the call."""
     from prefect.context import FlowRunContext, TaskRunContext
 
     from aisched_prefect.runner import AISchedTaskRunner
@@ -45,13 +46,46 @@ def _admit_and_run(fn: Callable[..., Any], request: AIRequest, args: tuple[Any, 
             "@flow(task_runner=AISchedTaskRunner(principal=..., authority=..., budget=...))"
         )
     quiet_expected_outcomes()
-    return runner.session.run(
-        fn, request, args, kwargs, task_name=task_ctx.task.name,
-        task_run_id=str(task_ctx.task_run.id), flow_run_id=str(flow_ctx.flow_run.id),
+    return runner, dict(
+        task_name=task_ctx.task.name, task_run_id=str(task_ctx.task_run.id), flow_run_id=str(flow_ctx.flow_run.id),
         flow_name=flow_ctx.flow.name if flow_ctx.flow else None,
         run_key=f"{flow_ctx.flow_run.id}/{task_ctx.task_run.task_key}",
-        deployment=bool(flow_ctx.flow_run.deployment_id), attempt=max(task_ctx.task_run.run_count, 1),
-    )
+        deployment=bool(flow_ctx.flow_run.deployment_id), attempt=max(task_ctx.task_run.run_count, 1))
+
+
+def _admit_and_run(fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    runner, call = _call_context(fn)
+    return runner.session.run(fn, request, args, kwargs, **call)
+
+
+async def _admit_and_run_async(fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> Any:
+    """The same admission, as a coroutine: how a submitted or mapped run waits (no thread of its own)."""
+    import asyncio
+
+    runner, call = _call_context(fn)
+    session = await asyncio.to_thread(lambda: runner.session)  # the first call may start an embedded plane
+    return await session.run_async(fn, request, args, kwargs, **call)
+
+
+def async_twin(task: Task[Any, Any]) -> Task[Any, Any]:
+    """The same AI task, with a coroutine for its function: what the runner's `submit` runs on its loop, so
+    Prefect's async task engine keeps states, retries and results while the run waits as a coroutine."""
+    import copy
+
+    body, request = getattr(task.fn, BODY_ATTR), request_of(task)
+    assert request is not None
+
+    @functools.wraps(body)
+    async def admitted(*args: Any, **kwargs: Any) -> Any:
+        return await _admit_and_run_async(body, request, args, kwargs)
+
+    setattr(admitted, REQUEST_ATTR, request)
+    setattr(admitted, BODY_ATTR, body)
+    twin = copy.copy(task)
+    twin.fn = admitted
+    twin.isasync = True
+    return twin
 
 
 def _retry_unless_denied(user_condition: Callable[..., bool] | None) -> Callable[..., bool]:

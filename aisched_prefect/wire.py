@@ -83,8 +83,10 @@ class ApprovalView(BaseModel):
 class Reply(BaseModel):
     """How a call ended, or why it is waiting."""
 
-    status: Literal["completed", "failed", "stopped", "denied", "approval-pending"]
+    status: Literal["completed", "failed", "stopped", "denied", "approval-pending", "accepted"]
     admission: str | None = None
+    key: str = ""  # the call's key at the control plane: its outcome arrives under it
+    result_digest: str = ""  # sha256 of the result's bytes: checked before they are unpickled
     stage: str | None = None
     reason: str = ""
     fix: str = ""
@@ -95,6 +97,42 @@ class Reply(BaseModel):
     logs: list[tuple[int, str]] = []
     placement: dict[str, Any] = {}
     charged: dict[str, float] = {}
+
+
+class RunIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    meta: CallMeta
+    function: int = Field(ge=0)
+    args_length: int = Field(ge=0)
+
+
+class RunsIn(BaseModel):
+    """Many calls in one request (a `.map()` arrives as one): the body's function pickles are sent once each.
+
+    The frame's blob is every function pickle (`functions`: their lengths, in order), then every call's argument
+    pickle (`calls[i].args_length`); call i's body is function `calls[i].function` followed by its arguments.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    session: str = Field(min_length=16, max_length=64)
+    functions: list[int] = Field(max_length=64)
+    calls: list[RunIn] = Field(min_length=1, max_length=10_000)
+
+
+class OutcomeOut(BaseModel):
+    """One ended call on the outcome stream; its result's bytes follow in the frame (`length` of them)."""
+
+    key: str
+    seq: int
+    reply: Reply
+    length: int
+
+
+class OutcomesOut(BaseModel):
+    outcomes: list[OutcomeOut]
+    pending: int  # the session's calls not ended yet
 
 
 class Problem(BaseModel):

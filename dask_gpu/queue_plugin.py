@@ -58,6 +58,8 @@ from dask_gpu.request import split
 
 PLUGIN_NAME = "dask-gpu-queue"
 LEAVE_STREAM_OP = "gpu-queue-leave"  # a run ended: sent on the client's batched stream, no round trip
+ENTER_STREAM_OP = "gpu-queue-enter"  # queue a run: on the client's batched stream, no connection held while it waits
+PLACED_STREAM_OP = "gpu-queue-placed"  # to the client, on its stream: where a run entered with ENTER_STREAM_OP goes
 _UNITS = 1_000_000  # shares of a device in millionths: no float drift
 LEARN_SECONDS = 5.0  # how long a run waits for the plugin to learn a new worker's devices
 
@@ -141,11 +143,31 @@ class GPUQueuePlugin(SchedulerPlugin):
         scheduler.handlers["gpu_queue_status"] = self.status
         if hasattr(scheduler, "stream_handlers"):
             scheduler.stream_handlers[LEAVE_STREAM_OP] = self._leave_stream
+            scheduler.stream_handlers[ENTER_STREAM_OP] = self._enter_stream
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
 
     def _leave_stream(self, id: str, client: str | None = None, **kwargs: Any) -> None:
         self.leave(id)
+
+    def _enter_stream(self, key: str, client: str | None = None, **kwargs: Any) -> None:
+        """`place`, asked on the client's batched stream and answered on it (PLACED_STREAM_OP, by `key`).
+
+        Why: a run may wait hours, and an RPC held open per waiting run takes a connection of the client's
+        pool each (512): past that nothing, not even a finished run's result, gets through. Here a waiting
+        run costs a queue entry and one coroutine, and the client holds nothing.
+        """
+        kwargs.pop("op", None)
+        asyncio.ensure_future(self._answer_on_stream(key, client or "", kwargs))
+
+    async def _answer_on_stream(self, key: str, client: str, kwargs: dict[str, Any]) -> None:
+        try:
+            where = await self.place(key, client=client, **kwargs)
+            msg: dict[str, Any] = {"op": PLACED_STREAM_OP, "key": key, "where": where}
+        except Exception as exc:  # a bad entry: the client is told, never left waiting
+            msg = {"op": PLACED_STREAM_OP, "key": key, "where": None, "error": f"{type(exc).__name__}: {exc}"}
+        if self.scheduler is not None:
+            self.scheduler.client_send(client, msg)
 
     # -- devices ------------------------------------------------------------------------
     def _learn_soon(self, address: str) -> None:

@@ -22,7 +22,7 @@ from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.approvals import ApprovalError, budget_left
 from aisched_prefect.control.service import ControlPlane, Unauthorized
 from aisched_prefect.errors import AISchedError, InvalidAIRequest
-from aisched_prefect.wire import FRAME, CallMeta, Problem, frame, unframe
+from aisched_prefect.wire import FRAME, CallMeta, OutcomeOut, OutcomesOut, Problem, RunsIn, frame, unframe
 from blocks import ChainBroken, DelegationRefused
 
 THREADS = 2000  # calls wait (on Dask, on people) in threads: one per call in flight
@@ -62,6 +62,27 @@ class RevokeIn(BaseModel):
 def _token(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+def _split_runs(head: RunsIn, blob: bytes) -> list[tuple[CallMeta, bytes]]:
+    """Each call's body (its function's pickle, then its arguments') out of one runs request's blob."""
+    functions, at = [], 0
+    for n in head.functions:
+        functions.append(blob[at:at + n])
+        at += n
+    out = []
+    for c in head.calls:
+        if c.function >= len(functions):
+            raise ValueError(f"call {c.meta.task_run_id} names function {c.function} of {len(functions)}")
+        fn = functions[c.function]
+        args = blob[at:at + c.args_length]
+        at += c.args_length
+        if len(args) != c.args_length:
+            raise ValueError("the frame is shorter than its calls say")
+        out.append((c.meta.model_copy(update={"args_offset": len(fn)}), fn + args))
+    if at != len(blob):
+        raise ValueError("the frame is longer than its calls say")
+    return out
 
 
 def build_app(plane: ControlPlane) -> FastAPI:
@@ -125,6 +146,35 @@ def build_app(plane: ControlPlane) -> FastAPI:
             raise InvalidAIRequest(f"malformed call: {exc}") from None
         reply, out = await run(plane.call, cred, meta, blob)
         return Response(frame(reply.model_dump_json().encode(), out), media_type=FRAME)
+
+    @app.post("/v1/runs")
+    async def runs(request: Request) -> dict[str, Any]:
+        """Many calls in one request (a `.map()`): each is admitted and started; the answer comes at once (accepted,
+        or how it ended at admission) and outcomes follow on `GET /v1/outcomes`. No thread waits for any of them."""
+        cred = plane.authenticate(_token(request), "flow")
+        raw = await request.body()
+        try:
+            head_bytes, blob = unframe(raw)
+            head = RunsIn.model_validate_json(head_bytes)
+            calls = _split_runs(head, blob)
+        except ValueError as exc:
+            raise InvalidAIRequest(f"malformed runs request: {exc}") from None
+        replies = await run(plane.submit_many, cred, head.session, calls)
+        return {"replies": [r.model_dump(mode="json") for r in replies]}
+
+    @app.get("/v1/outcomes")
+    async def outcomes(request: Request, session: str, after: int = 0, wait: float = 0.0) -> Response:
+        """The session's ended calls past `after` (which acknowledges those before it), waiting up to `wait` seconds
+        for one: one long-poll per flow process, whatever number of runs it waits for."""
+        cred = plane.authenticate(_token(request), "flow")
+        if not plane.outcomes.owns(session, f"{cred.authority}:{cred.principal}"):
+            raise Unauthorized("this session belongs to another principal", 403)
+        kept, pending = await plane.outcomes.take(session, f"{cred.authority}:{cred.principal}", after,
+                                                  min(wait, plane.settings.outcome_wait_seconds),
+                                                  plane.settings.outcome_batch_bytes)
+        head = OutcomesOut(outcomes=[OutcomeOut(key=k.key, seq=k.seq, reply=k.reply, length=len(k.out)) for k in kept],
+                           pending=pending)
+        return Response(frame(head.model_dump_json().encode(), b"".join(k.out for k in kept)), media_type=FRAME)
 
     @app.get("/v1/approvals")
     async def approvals(request: Request) -> list[dict[str, Any]]:

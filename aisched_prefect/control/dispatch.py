@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +29,7 @@ from distributed import Client, Future, KilledWorker
 
 from aisched_prefect.control import stages
 from aisched_prefect.control.admission import Admission, Admitter
+from aisched_prefect.control.outcomes import result_digest
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.errors import AdmissionDenied, InvalidUsage
 from aisched_prefect.ledger import BudgetAlert, Hold, Ledger
@@ -39,7 +40,7 @@ from blocks import MAX_AMOUNT, BudgetBlock, ModelLimit, UnpriceableRequest, Usag
 from dask_gpu import WorkerDied, WorkerInventory, cluster_inventories, request_stop
 from dask_gpu.errors import StopRequested
 from dask_gpu.limits import RELEASE_STREAM_OP as LIMIT_RELEASE_STREAM_OP
-from dask_gpu.queue_plugin import LEAVE_STREAM_OP
+from dask_gpu.queue_plugin import ENTER_STREAM_OP, LEAVE_STREAM_OP, PLACED_STREAM_OP
 from dask_gpu.sandbox import Body, Outcome, run_ticketed
 from dask_gpu.tickets import DIED_TOPIC, STATES_OP, WHERE_OP, Ticket, TicketRejected, TicketSigner
 
@@ -91,6 +92,7 @@ class Running:
     dask_at: float | None = None  # monotonic time it was handed to Dask
     lost: dict[str, Any] | None = None  # the worker that died under it: worker, name, devices, keys
     wake: threading.Event = field(default_factory=threading.Event, repr=False)
+    call_key: str = ""  # the control plane's key of the call it serves
 
     @property
     def dask_keys(self) -> list[str]:
@@ -128,6 +130,10 @@ class Dispatcher:
         self._inv_lock = threading.Lock()
         self._gang_lock = threading.Lock()  # queue off: one gang at a time looks for whole idle workers
         client.subscribe_topic(DIED_TOPIC, self._on_worker_died)  # the ticket registry names what a dead worker took
+        # Runs waiting in the cluster's queue: answered on the client's stream (no thread, no connection each).
+        self._entered: dict[str, tuple[Running, Callable[[Placement | None], None]]] = {}
+        self._calls: set[str] = set()  # call keys this replica follows, queued or running
+        client._stream_handlers[PLACED_STREAM_OP] = self._on_placed
 
     # -- inventory ------------------------------------------------------------------------
     def inventories(self, fresh: bool = False) -> dict[str, WorkerInventory]:
@@ -186,6 +192,128 @@ class Dispatcher:
                            payload={**base_payload(adm), **payload}, **adm.ids)
 
     # -- running --------------------------------------------------------------------------
+    def launch(self, admission: Admission, body: Body, admitter: Admitter,
+               done: Callable[[Reply, bytes], None], call_key: str = "") -> str:
+        """Start an admitted run and return at once; `done(reply, out)` is called once, however it ends.
+
+        A GPU run waits in the cluster's queue as state (an entry on the scheduler, a row and a `Running`
+        here): no thread and no connection is held for it until the queue starts it; from then on one
+        thread follows it to its settlement, so threads scale with the runs executing. Runs the queue does
+        not place (no GPUs, a model call waiting for its model's limit, the queue off) take that thread at once.
+        """
+        if call_key:
+            with self.lock:
+                self._calls.add(call_key)
+            inner = done
+
+            def done(reply: Reply, out: bytes) -> None:
+                with self.lock:
+                    self._calls.discard(call_key)
+                inner(reply, out)
+
+        if self.queue and admission.request.gpus > 0 and self._model_limit(admission) is None:
+            state = self._register(admission)
+            state.call_key = call_key
+            self._enter_queue(state, lambda placement: self._spawn(
+                self._run_placed, state, placement, body, admitter, done))
+            return state.key
+        self._spawn(self._run_blocking, admission, body, admitter, done)
+        return ""
+
+    def has_call(self, call_key: str) -> bool:
+        """Whether this replica still follows the call (queued or running): a flow may re-attach to it."""
+        with self.lock:
+            return call_key in self._calls
+
+    def abandon(self, call_keys: set[str]) -> int:
+        """Take the waiting runs of these calls out of the queue (their flow process went away); how many."""
+        with self.lock:
+            keys = [r.key for r in self.running.values() if r.call_key in call_keys and not r.placed]
+        if keys:
+            self.stop(keys, "abandoned")
+        return len(keys)
+
+    @staticmethod
+    def _spawn(fn: Callable[..., None], *args: Any) -> None:
+        threading.Thread(target=fn, args=args, name="aisched-run", daemon=True).start()
+
+    def _run_blocking(self, admission: Admission, body: Body, admitter: Admitter,
+                      done: Callable[[Reply, bytes], None]) -> None:
+        try:
+            reply, out = self.execute(admission, body, admitter)
+        except BaseException as exc:  # noqa: BLE001 - the caller gets a reply whatever happened
+            reply, out = _crashed(admission, exc), b""
+        done(reply, out)
+
+    def _run_placed(self, state: Running, placement: Placement | None, body: Body, admitter: Admitter,
+                    done: Callable[[Reply, bytes], None]) -> None:
+        """The queue started (or dropped) a run entered by `launch`: hand it to Dask and follow it to its end."""
+        admission = state.admission
+        try:
+            try:
+                reply, out = self._submit(state, body, admission.workers, admission.request.gpu_request(),
+                                          placement=placement)
+            finally:
+                with self.lock:
+                    self.running.pop(state.key, None)
+        except Preempted:  # charged for what ran; admitted again and queued again, as state
+            try:
+                again = admitter.readmit(admission, "preempted")
+            except BaseException as exc:  # noqa: BLE001
+                done(_crashed(admission, exc), b"")
+                return
+            self.launch(again, body, admitter, done)
+            return
+        except BaseException as exc:  # noqa: BLE001
+            reply, out = _crashed(admission, exc), b""
+        done(reply, out)
+
+    def _register(self, admission: Admission) -> Running:
+        key = f"aisched-{admission.task_name}-{admission.task_run_id}-{uuid.uuid4().hex[:8]}"
+        state = Running(admission=admission, key=key, holds=list(admission.holds),
+                        covered_seconds=admission.request.est_seconds, submitted=time.monotonic())
+        with self.lock:
+            self.running[key] = state
+        return state
+
+    def _enter_queue(self, state: Running, on_placed: Callable[[Placement | None], None]) -> None:
+        """Queue the run on the client's batched stream; the queue answers on it when it starts the run."""
+        state.queue_id = uuid.uuid4().hex
+        with self.lock:
+            self._entered[state.queue_id] = (state, on_placed)
+        self.client._send_to_scheduler({"op": ENTER_STREAM_OP, "key": state.queue_id, **self._queue_args(state)})
+
+    def _on_placed(self, key: str, where: dict[str, Any] | None, error: str | None = None, **_: Any) -> None:
+        """The queue's answer (in the client's event loop): start the run's thread, or end it if it left."""
+        with self.lock:
+            entry = self._entered.pop(key, None)
+        if entry is None:
+            if where is not None:  # nobody waits for it any more (it was stopped meanwhile): give it back
+                self.client._send_to_scheduler({"op": LEAVE_STREAM_OP, "id": key})
+            return
+        state, on_placed = entry
+        if error:
+            logger.error("the cluster's queue refused run %s: %s", state.key, error)
+        state.placed = where is not None
+        if where is None:
+            state.queue_id = None
+        on_placed(None if state.stop_reason or where is None else Placement(**where))
+
+    def reenter_waiting(self) -> int:
+        """Queue every waiting run again (the scheduler restarted and its queue is new); how many."""
+        with self.lock:
+            waiting = list(self._entered.items())
+        for old, (state, on_placed) in waiting:
+            with self.lock:
+                if self._entered.pop(old, None) is None:
+                    continue
+            self._enter_queue(state, on_placed)
+        return len(waiting)
+
+    def waiting(self) -> int:
+        with self.lock:
+            return len(self._entered)
+
     def execute(self, admission: Admission, body: Body, admitter: Admitter) -> tuple[Reply, bytes]:
         """Run an admitted call; a run the cluster's queue preempts is charged for what ran and queued again."""
         requeued = 0
@@ -238,16 +366,26 @@ class Dispatcher:
         inventories = self.inventories()
         return not any(req.fits(inventories[w]) for w in admission.workers if w in inventories)
 
-    def _submit(self, state: Running, body: Body, workers: list[str] | None, gpu_request: Any) -> tuple[Reply, bytes]:
+    def _submit(self, state: Running, body: Body, workers: list[str] | None, gpu_request: Any,
+                placement: Placement | None | str = "wait") -> tuple[Reply, bytes]:
+        """Hand the run to Dask and follow it; `placement`: where the queue already started it (None: it left the
+        queue), or "wait" to wait in the queue here."""
         admission, key = state.admission, state.key
         request = admission.request
         gang = request.gpus >= 1 and self._is_gang(admission)
         try:
-            if self.queue and request.gpus > 0:  # every GPU run waits in the cluster's one queue
+            if self.queue and request.gpus > 0 and placement != "wait":  # the queue answered on the stream
+                state.placement = placement if isinstance(placement, Placement) else None
+            elif self.queue and request.gpus > 0:  # every GPU run waits in the cluster's one queue
                 state.placement = self._wait_in_queue(state)
             elif gang:  # the queue is off: whole workers that are idle now
                 state.placement = self._place_gang(state)
             if (self.queue and request.gpus > 0) or gang:
+                if state.placement is None and state.stop_reason == "abandoned":
+                    self.settle(state, None, {"outcome": "abandoned-while-queued"})
+                    return Reply(status="stopped", reason="its flow process went away while it waited in the queue",
+                                 error_type="dask_gpu.errors.StopRequested",
+                                 error_message="stopped: its flow process went away"), b""
                 if state.placement is None:
                     self.settle(state, None, {"outcome": "revoked-while-queued"})
                     return denied("revocation", f"a grant in the chain {admission.chain} was revoked while the run "
@@ -479,7 +617,8 @@ class Dispatcher:
             "stopped": out.stopped, "placement": placement, "seconds": run.seconds,
             "gpu_seconds": run.seconds * len(run.devices), "covered_seconds": state.covered_seconds,
             "top_ups": len(state.holds) - len(adm.holds), "usage": usage.model_dump() if usage else None,
-            "charges": charges, **({"preempted_for": state.preempted_for} if stopped == "preempted" else {})})
+            "charges": charges, **({"preempted_for": state.preempted_for} if stopped == "preempted" else {}),
+            **({"result_digest": result_digest(out.value)} if out.ok else {})})
         if stopped == "preempted":
             logger.warning("AI task %s was preempted after %.1fs to give tenant %r its quota back; charged for that "
                            "and queued again", adm.task_name, run.seconds, state.preempted_for)
@@ -503,18 +642,22 @@ class Dispatcher:
         return Reply(status="completed", **common), out.value
 
     # -- the cluster's queue ----------------------------------------------------------------
-    def _wait_in_queue(self, state: Running) -> Placement | None:
-        """Wait in the cluster's one queue (a scheduler plugin) until the policy starts the run: its workers and
-        devices. One round trip."""
+    def _queue_args(self, state: Running) -> dict[str, Any]:
+        """What the cluster's queue is told of a run (its `place` arguments, but the key and the client)."""
         adm = state.admission
         req = adm.request.gpu_request()
+        return dict(tenant=adm.tenant, gpus=req.gpus if req.fractional else int(req.gpus),
+                    estimate=adm.request.est_seconds, priority=adm.priority, workers=adm.workers,
+                    preemptible=adm.request.preemptible, task=state.key if adm.request.preemptible else None,
+                    width=req.hosts if (req.hosts or 1) > 1 else 0, types=list(req.types) if req.types else None,
+                    memory=req.gpu_memory_gb)
+
+    def _wait_in_queue(self, state: Running) -> Placement | None:
+        """Wait in the cluster's one queue (a scheduler plugin) until the policy starts the run: its workers and
+        devices. One round trip, held open while it waits: only for runs `launch` does not enter on the stream."""
         state.queue_id = uuid.uuid4().hex  # known before the call, so a stop can take it out of the queue
-        where = self.client.sync(
-            self.client.scheduler.gpu_queue_place, key=state.queue_id, tenant=adm.tenant,
-            gpus=req.gpus if req.fractional else int(req.gpus), estimate=adm.request.est_seconds, priority=adm.priority,
-            workers=adm.workers, client=self.client.id, preemptible=adm.request.preemptible,
-            task=state.key if adm.request.preemptible else None, width=req.hosts if (req.hosts or 1) > 1 else 0,
-            types=list(req.types) if req.types else None, memory=req.gpu_memory_gb)
+        where = self.client.sync(self.client.scheduler.gpu_queue_place, key=state.queue_id, client=self.client.id,
+                                 **self._queue_args(state))
         state.placed = where is not None
         if where is None:
             state.queue_id = None
@@ -540,7 +683,7 @@ class Dispatcher:
                     if r.queue_id is not None and not r.placed:
                         queued.append(r.queue_id)
         for queue_id in queued:  # still in the cluster's queue: take it out, its wait returns no worker
-            self.client.sync(self.client.scheduler.gpu_queue_leave, id=queue_id)
+            self.client._send_to_scheduler({"op": LEAVE_STREAM_OP, "id": queue_id})
         with self.lock:
             dask_keys = [k for key in keys for k in (self.running[key].dask_keys if key in self.running else [key])]
         request_stop(self.client, dask_keys)
@@ -635,6 +778,13 @@ def base_payload(adm: Admission) -> dict[str, Any]:
     return {"task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant,
             "request": adm.request.model_dump(mode="json"), "chain": adm.chain, "grant": adm.chain[-1] if adm.chain else None,
             "admission": adm.id, **({"approval_digest": adm.approval_digest} if adm.approval_digest else {})}
+
+
+def _crashed(adm: Admission, exc: BaseException) -> Reply:
+    """A run whose dispatch raised: its reply names the cause (never a bare error without one)."""
+    logger.error("AI task %s (admission %s) ended by %s: %s", adm.task_name, adm.id, type(exc).__name__, exc)
+    return Reply(status="failed", admission=adm.id, error_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+                 error_message=f"the control plane could not run it: {type(exc).__name__}: {exc}")
 
 
 def denied(stage: str, reason: str, fix: str) -> Reply:

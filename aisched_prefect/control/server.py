@@ -59,7 +59,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
             token_file = config.home / "operator.token"
             if plane.bootstrap_operator(token_file) is not None:
                 info["operator_token_file"] = str(token_file)
-        server = uvicorn.Server(uvicorn.Config(build_app(plane), log_level="warning", lifespan="off",
+        server = uvicorn.Server(uvicorn.Config(build_app(plane), log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
                                                timeout_keep_alive=30))
 
         def _stop(*_: Any) -> None:

@@ -32,6 +32,7 @@ from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeede
 from aisched_prefect.control.approvals import ApprovalBook, ApprovalError
 from aisched_prefect.control import records
 from aisched_prefect.control.calls import CallBook, CallTakenOver
+from aisched_prefect.control.outcomes import OutcomeBook, result_digest
 from aisched_prefect.control.dispatch import Dispatcher, denied, emit_budget_alert
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
@@ -161,9 +162,11 @@ class ControlPlane:
             self.approvals = ApprovalBook(self.ledger, self.state, base_url)
             self.admitter.existing_approval = self.approvals.find
             self.calls = CallBook(self.ledger, self.replica, base_url)
+            self.outcomes = OutcomeBook(settings.session_lease_seconds, on_abandoned=self.abandon)
             chores = [(settings.drift_seconds, self.record_drift),
                       (min(settings.hold_lease_seconds / 3, 30.0), self.approvals.tend),  # holds of waiting requests
-                      (settings.day_report_seconds, self.publish_day_report)]
+                      (settings.day_report_seconds, self.publish_day_report),
+                      (min(settings.session_lease_seconds / 3, 5.0), self.outcomes.expire)]
             if checkpoint_dir is not None:
                 chores.append((settings.checkpoint_seconds, self.checkpoint_if_moved))
             if queue:  # a scheduler that restarted (its queue installed afresh by its preload) gets the weights back
@@ -364,7 +367,34 @@ class ControlPlane:
 
     # -- calls --------------------------------------------------------------------------------
     def call(self, cred: Credential, meta: CallMeta, blob: bytes) -> tuple[Reply, bytes]:
-        """Admit one call (or continue it once approved), run it, settle it."""
+        """Admit one call (or continue it once approved), run it, settle it: the blocking form (one request held
+        for the run's whole life; `submit_many` and the outcome stream are what runners use)."""
+        reply, out = self.submit(cred, meta, blob, None)
+        if reply.status != "accepted":
+            return reply, out
+        got = self.outcomes.wait_one(reply.key)
+        assert got is not None
+        return got
+
+    def submit_many(self, cred: Credential, session: str, calls: list[tuple[CallMeta, bytes]]) -> list[Reply]:
+        """Admit many calls of one flow process at once and start them; each reply says accepted (its outcome comes
+        on the session's stream), or how it ended at admission. One bad call fails only itself."""
+        if not self.outcomes.owns(session, _who(cred)):
+            raise Unauthorized("this session belongs to another principal: a runner chooses a fresh random one", 403)
+        out: list[Reply] = []
+        for meta, blob in calls:
+            try:
+                out.append(self.submit(cred, meta, blob, session)[0])
+            except Busy as exc:
+                out.append(Reply(status="failed", error_type="busy", error_message=str(exc)))
+            except (AISchedError, ValueError) as exc:
+                out.append(Reply(status="denied", stage="request", reason=str(exc),
+                                 fix=str(exc).split("Fix: ", 1)[1] if "Fix: " in str(exc) else ""))
+        return out
+
+    def submit(self, cred: Credential, meta: CallMeta, blob: bytes, session: str | None) -> tuple[Reply, bytes]:
+        """Admit one call and start it without waiting for it: `accepted` (its outcome goes to `session`, or to
+        `wait_one` when None), or the reply it ended with at admission (denied, waiting for a person)."""
         if cred.role != "flow":
             raise Unauthorized("only a flow's credential runs AI tasks", 403)
         request = AIRequest.build(**meta.request)
@@ -380,12 +410,15 @@ class ControlPlane:
         claim, row = self.calls.claim(key)
         filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
         if claim == "busy":
+            if row.replica == self.replica and session is not None and self.dispatcher.has_call(key):
+                self.outcomes.expect(key, session, _who(cred))  # a flow re-attaching to a run it already submitted
+                return Reply(status="accepted", key=key), b""
             raise Busy(f"this call is running on replica {row.replica}: wait for it (the client retries)")
         if claim == "done":  # its reply was lost in transit: say so, never run it twice
             old = Reply.model_validate(row.reply)
             if old.status != "completed":
-                return old, b""
-            return Reply(status="failed", admission=old.admission, error_type="aisched_prefect.ResultLost",
+                return old.model_copy(update={"key": key}), b""
+            return Reply(status="failed", key=key, admission=old.admission, error_type="aisched_prefect.ResultLost",
                          error_message="the call completed (and was charged once) but its result was lost with the "
                          "connection; retry the task to run it again"), b""
         try:
@@ -402,7 +435,7 @@ class ControlPlane:
                 admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds)
         except _Early as early:
             self.calls.done(key, early.reply.model_dump(mode="json"))
-            return early.reply, b""
+            return early.reply.model_copy(update={"key": key}), b""
         except CallTakenOver as exc:  # nothing of this admission committed: the call is the other replica's
             raise Busy(f"{exc}: wait for it (the client retries)") from None
         except BaseException:
@@ -410,9 +443,25 @@ class ControlPlane:
             raise
         if admission.id not in filed:  # taken over, or continued after an approval: filed here
             self.calls.admitted(key, admission.model_dump(mode="json"))
-        reply, out = self.dispatcher.execute(admission, Body(payload=blob, modules=meta.modules), self.admitter)
-        self.calls.done(key, reply.model_dump(mode="json"))
-        return reply, out
+        self.outcomes.expect(key, session, _who(cred))
+        self.dispatcher.launch(admission, Body(payload=blob, modules=meta.modules), self.admitter,
+                               lambda reply, out: self._finished(key, reply, out), call_key=key)
+        return Reply(status="accepted", key=key, admission=admission.id), b""
+
+    def _finished(self, key: str, reply: Reply, out: bytes) -> None:
+        """A run ended (in its dispatch thread): its reply is filed once, then handed to whoever waits for it."""
+        reply = reply.model_copy(update={"key": key, "result_digest": result_digest(out) if out else ""})
+        try:
+            self.calls.done(key, reply.model_dump(mode="json"))
+        except Exception:  # the outcome still reaches its caller; the call book is retried by a takeover
+            logger.exception("could not file the reply of call %s", key)
+        self.outcomes.put(key, reply, out)
+
+    def abandon(self, keys: list[str]) -> None:
+        """A flow process stopped polling for its outcomes: its runs still waiting in the queue are taken out."""
+        stopped = self.dispatcher.abandon(set(keys))
+        if stopped:
+            logger.warning("a flow process went away: %d of its waiting AI task runs leave the queue", stopped)
 
     def _admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str,
                args_digest: str, on_admitted: Callable[[Any, Admission], None]) -> Admission:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 import time
 
 from aisched_prefect.control import stages
@@ -26,6 +27,7 @@ logger = logging.getLogger("aisched_prefect.control")
 TOP_UP_AT = 0.8  # ask for a top-up when a GPU task has used this share of the time its holds cover
 MAX_TOP_UPS_PER_POLL = 20  # catching up after late polls, bounded
 STUCK_CHECK_SECONDS = 5.0  # how often runs handed to Dask are checked for a dead worker's no-worker state
+RECHECK_SECONDS = 2.0  # how often every run's authority is walked again when nothing changed (grants expire)
 
 
 class Watcher:
@@ -38,6 +40,9 @@ class Watcher:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="aisched-watch", daemon=True)
         self._chores = threading.Thread(target=self._chore_loop, name="aisched-chores", daemon=True)
+        self._checked_snapshot: Any = None  # stop_broken: the snapshot the runs in `_checked` were checked against
+        self._checked_at = 0.0
+        self._checked: set[str] = set()
 
     def start(self) -> None:
         self._thread.start()
@@ -75,8 +80,9 @@ class Watcher:
                     self.enforce_cover(running)
                 now = time.monotonic()
                 if running and now - leases_at >= self.settings.body_lease_seconds / 3:
-                    renew_leases(self.dispatcher.client, [k for r in running.values() for k in r.dask_keys],
-                                 self.settings.body_lease_seconds)
+                    handed = [k for r in running.values() if r.dask_at is not None for k in r.dask_keys]
+                    if handed:  # runs still waiting in the queue have no body to renew
+                        renew_leases(self.dispatcher.client, handed, self.settings.body_lease_seconds)
                     leases_at = now
                 if running and now - stuck_at >= STUCK_CHECK_SECONDS:  # a dead worker's runs, if its event was missed
                     self.dispatcher.check_stuck(running)
@@ -109,10 +115,21 @@ class Watcher:
         return chain[-1].refusal(adm.facts)
 
     def stop_broken(self, running: dict[str, Running]) -> None:
+        """Stop runs whose authority ended. A run is checked when it is new to the watcher, when the authority
+        state changed, and at least every RECHECK_SECONDS (expiry is a matter of time): thousands of waiting
+        runs cost a set lookup each per poll, not a chain walk."""
         victims = {}
+        snap, now = self.state.snapshot, time.monotonic()
+        full = snap is not self._checked_snapshot or now - self._checked_at >= RECHECK_SECONDS
+        if full:
+            self._checked_snapshot, self._checked_at, self._checked = snap, now, set()
+        memo: dict[tuple[str, str, Any], str | None] = {}
         for key, r in running.items():
-            if r.stop_reason is None:
-                why = self.why_broken(r)
+            if r.stop_reason is None and key not in self._checked:
+                self._checked.add(key)
+                adm = r.admission
+                k = (adm.credential, adm.chain[-1] if adm.chain else "", adm.facts)
+                why = memo[k] if k in memo else memo.setdefault(k, self.why_broken(r))
                 if why is not None:
                     victims[key] = why
         if victims:
@@ -133,8 +150,8 @@ class Watcher:
         """
         now = time.monotonic()
         lead = self.settings.watch_seconds
-        unknown = [k for k, r in running.items() if r.started_at is None and r.stop_reason is None
-                   and r.admission.request.gpus and now - r.submitted + lead >= TOP_UP_AT * r.covered_seconds]
+        unknown = [k for k, r in running.items() if r.started_at is None and r.stop_reason is None and r.dask_at
+                   is not None and r.admission.request.gpus and now - r.dask_at + lead >= TOP_UP_AT * r.covered_seconds]
         if unknown:
             first = {running[k].dask_keys[0]: k for k in unknown}  # a gang: when member 0 started
             for key, seconds in running_for(self.dispatcher.client, list(first)).items():

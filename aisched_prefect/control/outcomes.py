@@ -1,0 +1,167 @@
+"""Finished runs' replies on their way to the flow process that submitted them: one long-poll per flow process.
+
+A flow process submits its calls (`POST /v1/runs`, many per request) and gets
+them back here as they end (`GET /v1/outcomes`): waiting is state on both
+sides, never a thread or a connection per run. Each flow process names a
+*session* (a random id its runner chose); an outcome is kept until the session
+acknowledges it (its next poll's `after` is past it), so a poll cut by a proxy
+or a dropped connection loses nothing and delivers nothing twice. A session that
+stops polling for `lease_seconds` is abandoned: what it still has waiting in the
+cluster's queue is taken out (`on_abandoned`), and its runs that already run
+finish and are settled as usual.
+
+Blocking callers (`POST /v1/calls`, one call per request) wait on `wait_one`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aisched_prefect.wire import Reply
+
+
+@dataclass
+class _Kept:
+    seq: int
+    key: str
+    reply: Reply
+    out: bytes
+
+
+@dataclass
+class _Session:
+    who: str
+    seen: float
+    pending: set[str] = field(default_factory=set)  # keys submitted and not yet ended
+    ready: list[_Kept] = field(default_factory=list)  # ended, not yet acknowledged (in seq order)
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
+
+
+def result_digest(out: bytes) -> str:
+    """The digest a result's bytes are checked against before they are unpickled (sha256, hex).
+
+    >>> result_digest(b"")[:12]
+    'e3b0c44298fc'
+    """
+    return hashlib.sha256(out).hexdigest()
+
+
+class OutcomeBook:
+    """Which session waits for which call, and the outcomes each has not acknowledged yet."""
+
+    def __init__(self, lease_seconds: float, on_abandoned: Callable[[list[str]], None] | None = None) -> None:
+        self.lease_seconds = lease_seconds
+        self.on_abandoned = on_abandoned
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._sessions: dict[str, _Session] = {}
+        self._session_of: dict[str, str] = {}  # call key -> session
+        self._blocking: dict[str, tuple[threading.Event, list[tuple[Reply, bytes]]]] = {}
+
+    # -- who waits --------------------------------------------------------------------------
+    def expect(self, key: str, session: str | None, who: str) -> None:
+        """`key` was accepted: its outcome goes to `session` (None: a blocking caller waits with `wait_one`)."""
+        with self._lock:
+            if session is None:
+                self._blocking.setdefault(key, (threading.Event(), []))
+                return
+            s = self._session(session, who)
+            s.pending.add(key)
+            self._session_of[key] = session
+
+    def owns(self, session: str, who: str) -> bool:
+        """Whether `session` is `who`'s (a session id another principal chose is refused)."""
+        with self._lock:
+            s = self._sessions.get(session)
+            return s is None or s.who == who
+
+    def _session(self, session: str, who: str) -> _Session:
+        s = self._sessions.get(session)
+        if s is None:
+            s = self._sessions[session] = _Session(who=who, seen=time.monotonic())
+        s.seen = time.monotonic()
+        return s
+
+    # -- ended --------------------------------------------------------------------------------
+    def put(self, key: str, reply: Reply, out: bytes) -> None:
+        """A call ended: hand its outcome to whoever waits for it."""
+        with self._lock:
+            blocking = self._blocking.get(key)
+            if blocking is not None:
+                blocking[1].append((reply, out))
+                blocking[0].set()
+                return
+            session = self._session_of.pop(key, None)
+            s = self._sessions.get(session) if session is not None else None
+            if s is None:  # nobody waits (its session was abandoned): the call book keeps the reply
+                return
+            s.pending.discard(key)
+            self._seq += 1
+            s.ready.append(_Kept(self._seq, key, reply, out))
+            waiters, s.waiters = s.waiters, []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    def wait_one(self, key: str, timeout: float | None = None) -> tuple[Reply, bytes] | None:
+        with self._lock:
+            event, box = self._blocking.setdefault(key, (threading.Event(), []))
+        if not event.wait(timeout):
+            return None
+        with self._lock:
+            self._blocking.pop(key, None)
+        return box[0]
+
+    async def take(self, session: str, who: str, after: int, wait: float, max_bytes: int) -> tuple[list[_Kept], int]:
+        """Outcomes of `session` past `after` (those up to `after` are acknowledged and dropped), waiting up to
+        `wait` seconds for one; and how many of its calls are still pending."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + wait
+        while True:
+            event = asyncio.Event()
+            with self._lock:
+                s = self._session(session, who)
+                s.ready = [k for k in s.ready if k.seq > after]
+                out, size = [], 0
+                for k in s.ready:
+                    if out and size + len(k.out) > max_bytes:
+                        break
+                    out.append(k)
+                    size += len(k.out)
+                pending = len(s.pending)
+                if not out:
+                    s.waiters.append((loop, event))
+            left = deadline - time.monotonic()
+            if out or left <= 0:
+                return out, pending
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- sessions that went away -----------------------------------------------------------------
+    def expire(self) -> list[str]:
+        """Forget sessions that stopped polling; returns the keys they still had pending (and tells `on_abandoned`)."""
+        now = time.monotonic()
+        abandoned: list[str] = []
+        with self._lock:
+            for sid, s in list(self._sessions.items()):
+                if now - s.seen > self.lease_seconds and not s.waiters:
+                    abandoned.extend(s.pending)
+                    for key in s.pending:
+                        self._session_of.pop(key, None)
+                    del self._sessions[sid]
+        if abandoned and self.on_abandoned is not None:
+            self.on_abandoned(abandoned)
+        return abandoned
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"sessions": len(self._sessions), "pending": sum(len(s.pending) for s in self._sessions.values()),
+                    "unacknowledged": sum(len(s.ready) for s in self._sessions.values()),
+                    "blocking": len(self._blocking)}

@@ -1,0 +1,230 @@
+"""Batch inference at scale: a `.map()` over N shards through the control plane, beside ThreadPoolTaskRunner, in one run.
+
+The flow is `flows/batch_inference.py`'s (`shards=N, gpu_fraction=0.25, rows_per_shard=2,
+seconds_per_shard=0.0`); the anchor is the same map of a plain `@task` under
+`ThreadPoolTaskRunner`, against the same Prefect server. For each size it prints
+wall time, cost per shard, and the peak threads and peak RSS of the flow process
+and of the control plane (sampled every 0.2 s), checks every shard's result, and
+prints the ratios the issue sets as targets: cost per shard at most 2x
+ThreadPool's, flat from the smallest to the largest size (at most 1.2x), at most
+200 threads in each process, the plane's RSS at the largest size at most 2x at
+the smallest.
+
+    .venv/bin/python bench/fanout.py --sizes 1000 10000              # embedded control plane (the defaults)
+    .venv/bin/python bench/fanout.py --sizes 10000 --served          # `aisched serve`, its own scheduler, 2 workers
+
+It starts its own Prefect server (`prefect server start` on 127.0.0.1) unless
+PREFECT_API_URL is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "ERROR")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psutil  # noqa: E402  (Prefect and distributed depend on it)
+
+DECLARED = "2 workers x 2 GPUs, 80 GB, H100"
+
+
+@contextmanager
+def prefect_server():
+    """A Prefect server on 127.0.0.1 for the run (the SQLite test harness falls behind at 10,000 task runs)."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield os.environ["PREFECT_API_URL"]
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tempfile.mkdtemp(prefix="fanout-prefect-")
+    env = {**os.environ, "PREFECT_HOME": home}
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                             str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/api"
+    import httpx
+
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+class Peaks:
+    """Peak threads and RSS of this process and of the control plane's, sampled in the background."""
+
+    def __init__(self, plane_pid: int | None = None) -> None:
+        self.plane_pid = plane_pid
+        self.flow_threads = self.flow_rss = self.plane_threads = self.plane_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _plane(self) -> psutil.Process | None:
+        if self.plane_pid is not None:
+            return psutil.Process(self.plane_pid)
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if "aisched_prefect.control.server" in " ".join(child.cmdline()):
+                    return child
+            except psutil.Error:
+                continue
+        return None
+
+    def _run(self) -> None:
+        me, plane = psutil.Process(), None
+        while not self._stop.wait(0.2):
+            self.flow_threads = max(self.flow_threads, me.num_threads())
+            self.flow_rss = max(self.flow_rss, me.memory_info().rss)
+            try:
+                plane = plane or self._plane()
+                if plane is not None:
+                    self.plane_threads = max(self.plane_threads, plane.num_threads())
+                    self.plane_rss = max(self.plane_rss, plane.memory_info().rss)
+            except psutil.Error:
+                plane = None
+
+    def __enter__(self) -> "Peaks":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--served", action="store_true", help="against `aisched serve` with its own scheduler and "
+                        "two workers (else each flow run starts an embedded control plane)")
+    parser.add_argument("--skip-threadpool", action="store_true")
+    args = parser.parse_args()
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+
+    from prefect import flow, task
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from aisched_prefect import AISchedTaskRunner
+    from blocks import AuthorityBlock, BudgetBlock, Grant
+    from flows.batch_inference import batch_inference, gather, make_shards
+
+    @task
+    def plain_score(shard: dict[str, Any], model: str, seconds: float) -> dict[str, Any]:
+        import hashlib
+
+        started = time.time()
+        scores = [int(hashlib.sha256(f"{model}:{row}".encode()).hexdigest()[:8], 16) % 1000 / 1000
+                  for row in shard["rows"]]
+        return {"shard": shard["shard"], "rows": len(scores), "mean_score": sum(scores) / len(scores),
+                "worker": "local", "device": "cpu", "gpu_type": None, "started": started, "ended": time.time()}
+
+    @flow(task_runner=ThreadPoolTaskRunner())
+    def plain_map(shards: int) -> dict[str, Any]:
+        from prefect import unmapped
+
+        futures = plain_score.map(make_shards(shards, 2), model=unmapped("m"), seconds=unmapped(0.0))
+        return gather(futures, shards)
+
+    authority = AuthorityBlock(grants=[Grant(id="fanout", principal="bench/fanout", kinds=["inference"],
+                                             max_gpus=1, max_cost_per_run=1.0)])
+    budget = BudgetBlock(limit=1_000_000, gpu_hour_prices={"*": 1.0})
+    rows: list[dict[str, Any]] = []
+    with prefect_server():
+        plane = cluster = None
+        if args.served:
+            from bench.overhead import external_cluster
+            from aisched_prefect.control.process import ControlPlaneProcess
+            from aisched_prefect.control.service import load_or_make_key
+            from dask_gpu.tickets import TicketSigner
+
+            home = Path(tempfile.mkdtemp(prefix="fanout-plane-"))
+            key = TicketSigner(load_or_make_key(home / "control.key")).public_key.hex()
+            cluster = external_cluster(2, "2 GPUs, 80 GB, H100", key)
+            address = cluster.__enter__()
+            plane = ControlPlaneProcess(home, dask_address=address).start()
+            plane.apply("authority", "fanout", authority)
+            plane.apply("budget", "fanout", budget)
+            runner = AISchedTaskRunner(control_plane=plane.url, credential=plane.issue(
+                "bench/fanout", authority="fanout", budget="fanout"), approver="policy")
+        else:
+            authority.save("fanout", overwrite=True)
+            budget.save("fanout", overwrite=True)
+            runner = AISchedTaskRunner(principal="bench/fanout", authority="fanout", budget="fanout",
+                                       declared=DECLARED, approver="policy")
+        try:
+            for n in args.sizes:
+                if not args.skip_threadpool:
+                    with Peaks() as peaks:
+                        t0 = time.perf_counter()
+                        out = plain_map(n)
+                        wall = time.perf_counter() - t0
+                    assert out["shards"] == n
+                    rows.append({"runner": "ThreadPoolTaskRunner", "n": n, "wall": wall, "peaks": peaks})
+                with Peaks(plane.proc.pid if plane is not None else None) as peaks:
+                    t0 = time.perf_counter()
+                    out = batch_inference.with_options(task_runner=runner)(
+                        shards=n, gpu_fraction=0.25, rows_per_shard=2, seconds_per_shard=0.0)
+                    wall = time.perf_counter() - t0
+                assert out["shards"] == n and [r["shard"] for r in out["results"]] == list(range(n))
+                expected = plain_score.fn({"shard": 0, "rows": [0, 1]}, "examples-regressor", 0.0)["mean_score"]
+                assert abs(out["results"][0]["mean_score"] - expected) < 1e-12
+                rows.append({"runner": "AISchedTaskRunner" + (" (served)" if plane else " (embedded)"), "n": n,
+                             "wall": wall, "peaks": peaks})
+                print_rows(rows)
+        finally:
+            if plane is not None:
+                plane.stop()
+            if cluster is not None:
+                cluster.__exit__(None, None, None)
+    print_rows(rows, final=True)
+
+
+def print_rows(rows: list[dict[str, Any]], final: bool = False) -> None:
+    print(("\nfinal: " if final else "\n") + f"batch inference fan-out, {os.cpu_count()} cores")
+    for r in rows:
+        p = r["peaks"]
+        print(f"  {r['runner']:32s} {r['n']:6d} shards {r['wall']:8.1f} s {1000 * r['wall'] / r['n']:7.2f} ms/shard"
+              f"  flow: {p.flow_threads:4d} threads {p.flow_rss / 2**20:7.0f} MB"
+              + (f"  plane: {p.plane_threads:4d} threads {p.plane_rss / 2**20:7.0f} MB" if p.plane_rss else ""))
+    ours = [r for r in rows if r["runner"].startswith("AISched")]
+    base = {r["n"]: r for r in rows if r["runner"] == "ThreadPoolTaskRunner"}
+    for r in ours:
+        if r["n"] in base:
+            print(f"  {r['n']:6d} shards: cost per shard / ThreadPool's = {r['wall'] / base[r['n']]['wall']:.2f} "
+                  "(target <= 2.0)")
+    if len(ours) > 1:
+        small, large = ours[0], ours[-1]
+        print(f"  cost per shard at {large['n']} / at {small['n']} = "
+              f"{(large['wall'] / large['n']) / (small['wall'] / small['n']):.2f} (target <= 1.2)")
+        if small["peaks"].plane_rss:
+            print(f"  plane RSS at {large['n']} / at {small['n']} = "
+                  f"{large['peaks'].plane_rss / small['peaks'].plane_rss:.2f} (target <= 2.0)")
+    print(f"  peak threads: flow {max(r['peaks'].flow_threads for r in ours) if ours else 0}, plane "
+          f"{max(r['peaks'].plane_threads for r in ours) if ours else 0} (target <= 200 each)")
+
+
+if __name__ == "__main__":
+    main()
