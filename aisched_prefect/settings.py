@@ -55,6 +55,11 @@ class Settings(BaseSettings):
                                         "(below a proxy's idle timeout).")
     outcome_batch_bytes: int = Field(default=32 * 2**20, gt=0, description="Most result bytes in one outcome poll.")
 
+    max_runs_in_flight: int = Field(default=50_000, gt=0, description="AISCHED_MAX_RUNS_IN_FLIGHT: most AI task runs "
+                                    "one credential may have accepted and not ended (429 past it).")
+    max_bytes_in_flight: int = Field(default=2 * 2**30, gt=0, description="AISCHED_MAX_BYTES_IN_FLIGHT: most body "
+                                     "bytes (function and arguments) one credential may have in flight (429 past it).")
+
     def ledger(self) -> str:
         if self.ledger_url:
             return self.ledger_url

@@ -19,6 +19,7 @@ logging.getLogger("distributed").setLevel(logging.WARNING)
 # Two H100 hosts and one A10 host, declared: the same code path real GPUs take above NVML.
 CLUSTER_SPEC = "2 workers x 2 GPUs, 80 GB, H100; 1 worker x 1 GPU, 24 GB, A10"
 QUEUE_SYNC_SECONDS = 2.0  # the session plane sets the queue's weights again this often (tests/test_cluster_queue.py)
+SESSION_LEASE_SECONDS = 8.0  # a flow process that stops polling is gone after this (tests/test_lifecycle.py)
 POSTGRES_URL = os.environ.get("AISCHED_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
@@ -76,7 +77,8 @@ def control_plane(prefect_api, gpu_cluster, plane_home, dask_client):
     from tests.controlplane import ControlPlaneProcess
 
     plane = ControlPlaneProcess(plane_home, dask_address=gpu_cluster.scheduler_address, dask_tls=plane_home / "tls",
-                                env={"AISCHED_QUEUE_SYNC_SECONDS": str(QUEUE_SYNC_SECONDS)}).start()
+                                env={"AISCHED_QUEUE_SYNC_SECONDS": str(QUEUE_SYNC_SECONDS),
+                                     "AISCHED_SESSION_LEASE_SECONDS": str(SESSION_LEASE_SECONDS)}).start()
     yield plane
     plane.stop()
 

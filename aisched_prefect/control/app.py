@@ -64,11 +64,26 @@ def _token(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-def _split_runs(head: RunsIn, blob: bytes) -> list[tuple[CallMeta, bytes]]:
-    """Each call's body (its function's pickle, then its arguments') out of one runs request's blob."""
+_FUNCTIONS: dict[str, bytes] = {}  # recent function pickles by digest: the runs of one .map() share one copy
+
+
+def _intern(fn: bytes) -> bytes:
+    import hashlib
+
+    key = hashlib.sha256(fn).hexdigest()
+    kept = _FUNCTIONS.get(key)
+    if kept is None:
+        if len(_FUNCTIONS) >= 256:
+            _FUNCTIONS.pop(next(iter(_FUNCTIONS)))
+        kept = _FUNCTIONS[key] = fn
+    return kept
+
+
+def _split_runs(head: RunsIn, blob: bytes) -> list[tuple[CallMeta, tuple[bytes, bytes]]]:
+    """Each call's body (its function's pickle and its arguments') out of one runs request's blob."""
     functions, at = [], 0
     for n in head.functions:
-        functions.append(blob[at:at + n])
+        functions.append(_intern(blob[at:at + n]))
         at += n
     out = []
     for c in head.calls:
@@ -79,7 +94,7 @@ def _split_runs(head: RunsIn, blob: bytes) -> list[tuple[CallMeta, bytes]]:
         at += c.args_length
         if len(args) != c.args_length:
             raise ValueError("the frame is shorter than its calls say")
-        out.append((c.meta.model_copy(update={"args_offset": len(fn)}), fn + args))
+        out.append((c.meta.model_copy(update={"args_offset": len(fn)}), (fn, args)))
     if at != len(blob):
         raise ValueError("the frame is longer than its calls say")
     return out

@@ -108,6 +108,19 @@ class Running:
             return True
 
 
+@dataclass(frozen=True)
+class BodyParts:
+    """An admitted call's body while it waits: its function's pickle (shared by the runs of one `.map()`) and its
+    arguments', joined into the `Body` Dask carries only when the run is handed over."""
+
+    fn: bytes
+    args: bytes
+    modules: tuple[str, ...] = ()
+
+    def body(self) -> Body:
+        return Body(payload=self.fn + self.args, modules=list(self.modules))
+
+
 class ModelSlotUnavailable(Exception):
     """The cluster's scheduler could not give a model call its rate or concurrency slot (no model-limits plugin)."""
 
@@ -192,7 +205,7 @@ class Dispatcher:
                            payload={**base_payload(adm), **payload}, **adm.ids)
 
     # -- running --------------------------------------------------------------------------
-    def launch(self, admission: Admission, body: Body, admitter: Admitter,
+    def launch(self, admission: Admission, body: BodyParts, admitter: Admitter,
                done: Callable[[Reply, bytes], None], call_key: str = "") -> str:
         """Start an admitted run and return at once; `done(reply, out)` is called once, however it ends.
 
@@ -237,21 +250,21 @@ class Dispatcher:
     def _spawn(fn: Callable[..., None], *args: Any) -> None:
         threading.Thread(target=fn, args=args, name="aisched-run", daemon=True).start()
 
-    def _run_blocking(self, admission: Admission, body: Body, admitter: Admitter,
+    def _run_blocking(self, admission: Admission, body: BodyParts, admitter: Admitter,
                       done: Callable[[Reply, bytes], None]) -> None:
         try:
-            reply, out = self.execute(admission, body, admitter)
+            reply, out = self.execute(admission, body.body(), admitter)
         except BaseException as exc:  # noqa: BLE001 - the caller gets a reply whatever happened
             reply, out = _crashed(admission, exc), b""
         done(reply, out)
 
-    def _run_placed(self, state: Running, placement: Placement | None, body: Body, admitter: Admitter,
+    def _run_placed(self, state: Running, placement: Placement | None, body: BodyParts, admitter: Admitter,
                     done: Callable[[Reply, bytes], None]) -> None:
         """The queue started (or dropped) a run entered by `launch`: hand it to Dask and follow it to its end."""
         admission = state.admission
         try:
             try:
-                reply, out = self._submit(state, body, admission.workers, admission.request.gpu_request(),
+                reply, out = self._submit(state, body.body(), admission.workers, admission.request.gpu_request(),
                                           placement=placement)
             finally:
                 with self.lock:

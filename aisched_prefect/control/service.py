@@ -9,6 +9,7 @@ shell over its methods; every method takes the caller's proven credential.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from aisched_prefect.control.approvals import ApprovalBook, ApprovalError
 from aisched_prefect.control import records
 from aisched_prefect.control.calls import CallBook, CallTakenOver
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
-from aisched_prefect.control.dispatch import Dispatcher, denied, emit_budget_alert
+from aisched_prefect.control.dispatch import BodyParts, Dispatcher, denied, emit_budget_alert
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
 from aisched_prefect.control.watcher import Watcher
@@ -45,7 +46,6 @@ from aisched_prefect.wire import ApprovalView, CallMeta, Reply
 from blocks import ChainBroken, DelegationRefused, Grant, delegate
 from dask_gpu import LocalGPUCluster
 from dask_gpu.security import ClusterTLS
-from dask_gpu.sandbox import Body
 from dask_gpu.limits import install_limits
 from dask_gpu.tickets import TicketSigner, digest, install_registry
 
@@ -77,6 +77,24 @@ class Busy(AISchedError):
     """The call is in flight on another live replica: the client waits and sends it again."""
 
     status = 409
+
+
+class TooMuchInFlight(AISchedError):
+    """One credential's runs or body bytes in flight reached their limit (429)."""
+
+    status = 429
+
+
+def _digest_parts(*parts: bytes) -> str:
+    """sha256 of the parts back to back, without joining them (a large body is not copied to be hashed).
+
+    >>> _digest_parts(b"ab", b"c") == digest(b"abc")
+    True
+    """
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
 
 
 class Unauthorized(AISchedError):
@@ -125,6 +143,8 @@ class ControlPlane:
         self._signed: tuple[int, str] = (0, "")
         self._day_reported = -1
         self._weights_lock = threading.Lock()  # an apply and the periodic sync set the queue's weights in turn
+        self._flight_lock = threading.Lock()
+        self._in_flight: dict[str, tuple[int, int]] = {}  # credential id -> (runs, body bytes) accepted, not ended
         self._stack = ExitStack()
         try:
             self.key = load_or_make_key(key_path or settings.home / "control.key")
@@ -369,14 +389,17 @@ class ControlPlane:
     def call(self, cred: Credential, meta: CallMeta, blob: bytes) -> tuple[Reply, bytes]:
         """Admit one call (or continue it once approved), run it, settle it: the blocking form (one request held
         for the run's whole life; `submit_many` and the outcome stream are what runners use)."""
-        reply, out = self.submit(cred, meta, blob, None)
+        if not 0 < meta.args_offset <= len(blob):
+            raise InvalidAIRequest("args_offset is outside the body: the call is malformed")
+        reply, out = self.submit(cred, meta, (blob[:meta.args_offset], blob[meta.args_offset:]), None)
         if reply.status != "accepted":
             return reply, out
         got = self.outcomes.wait_one(reply.key)
         assert got is not None
         return got
 
-    def submit_many(self, cred: Credential, session: str, calls: list[tuple[CallMeta, bytes]]) -> list[Reply]:
+    def submit_many(self, cred: Credential, session: str, calls: list[tuple[CallMeta, tuple[bytes, bytes]]]
+                    ) -> list[Reply]:
         """Admit many calls of one flow process at once and start them; each reply says accepted (its outcome comes
         on the session's stream), or how it ended at admission. One bad call fails only itself."""
         if not self.outcomes.owns(session, _who(cred)):
@@ -392,16 +415,22 @@ class ControlPlane:
                                  fix=str(exc).split("Fix: ", 1)[1] if "Fix: " in str(exc) else ""))
         return out
 
-    def submit(self, cred: Credential, meta: CallMeta, blob: bytes, session: str | None) -> tuple[Reply, bytes]:
+    def submit(self, cred: Credential, meta: CallMeta, body: tuple[bytes, bytes], session: str | None
+               ) -> tuple[Reply, bytes]:
         """Admit one call and start it without waiting for it: `accepted` (its outcome goes to `session`, or to
-        `wait_one` when None), or the reply it ended with at admission (denied, waiting for a person)."""
+        `wait_one` when None), or the reply it ended with at admission (denied, waiting for a person).
+
+        `body`: the function's pickle and the arguments' (kept apart until the run is handed to Dask, so the
+        waiting runs of a `.map()` share one copy of their function)."""
         if cred.role != "flow":
             raise Unauthorized("only a flow's credential runs AI tasks", 403)
         request = AIRequest.build(**meta.request)
-        if not 0 < meta.args_offset <= len(blob):
-            raise InvalidAIRequest("args_offset is outside the body: the call is malformed")
-        payload_digest = digest(blob)
-        args_digest = digest(blob[meta.args_offset:])
+        fn_bytes, args_bytes = body
+        if not fn_bytes:
+            raise InvalidAIRequest("the call carries no function: it is malformed")
+        self._check_in_flight(cred, len(fn_bytes) + len(args_bytes))
+        payload_digest = _digest_parts(fn_bytes, args_bytes)
+        args_digest = digest(args_bytes)
         owner = self.calls.owner(meta.flow_run_id, _who(cred))
         if owner != _who(cred):
             raise Unauthorized(f"flow run {meta.flow_run_id} belongs to {owner!r}: a flow files its calls under its "
@@ -444,12 +473,34 @@ class ControlPlane:
         if admission.id not in filed:  # taken over, or continued after an approval: filed here
             self.calls.admitted(key, admission.model_dump(mode="json"))
         self.outcomes.expect(key, session, _who(cred))
-        self.dispatcher.launch(admission, Body(payload=blob, modules=meta.modules), self.admitter,
-                               lambda reply, out: self._finished(key, reply, out), call_key=key)
+        size = len(fn_bytes) + len(args_bytes)
+        with self._flight_lock:
+            runs, held = self._in_flight.get(cred.id, (0, 0))
+            self._in_flight[cred.id] = (runs + 1, held + size)
+        self.dispatcher.launch(admission, BodyParts(fn_bytes, args_bytes, tuple(meta.modules)), self.admitter,
+                               lambda reply, out: self._finished(key, reply, out, cred.id, size), call_key=key)
         return Reply(status="accepted", key=key, admission=admission.id), b""
 
-    def _finished(self, key: str, reply: Reply, out: bytes) -> None:
+    def _check_in_flight(self, cred: Credential, size: int) -> None:
+        """Per-credential bounds on runs and body bytes in flight: a flow cannot make the plane hold unbounded work."""
+        with self._flight_lock:
+            runs, held = self._in_flight.get(cred.id, (0, 0))
+        if runs >= self.settings.max_runs_in_flight:
+            raise TooMuchInFlight(f"{cred.principal!r} has {runs} AI task runs in flight, the most one credential may "
+                                  f"(AISCHED_MAX_RUNS_IN_FLIGHT={self.settings.max_runs_in_flight}). Fix: wait for "
+                                  "some to end, or ask the operator to raise AISCHED_MAX_RUNS_IN_FLIGHT")
+        if held + size > self.settings.max_bytes_in_flight:
+            raise TooMuchInFlight(f"{cred.principal!r} has {held} bytes of AI task bodies in flight; this call's "
+                                  f"{size} more would pass AISCHED_MAX_BYTES_IN_FLIGHT="
+                                  f"{self.settings.max_bytes_in_flight}. Fix: send large inputs by reference "
+                                  "(object storage paths), or ask the operator to raise the limit")
+
+    def _finished(self, key: str, reply: Reply, out: bytes, credential: str = "", size: int = 0) -> None:
         """A run ended (in its dispatch thread): its reply is filed once, then handed to whoever waits for it."""
+        if credential:
+            with self._flight_lock:
+                runs, held = self._in_flight.get(credential, (1, size))
+                self._in_flight[credential] = (max(runs - 1, 0), max(held - size, 0))
         reply = reply.model_copy(update={"key": key, "result_digest": result_digest(out) if out else ""})
         try:
             self.calls.done(key, reply.model_dump(mode="json"))

@@ -1,0 +1,140 @@
+"""A run's life is state, not a held thread: waiting runs cost a queue entry and a row, on both sides of the plane.
+
+The session's cluster has one A10: runs asking for it wait in the cluster's queue behind each other, which is the
+shape of a big `.map()` on a busy cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from prefect import flow
+
+from aisched_prefect import ai_task
+from tests.helpers import tenant
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+WAITING = 40
+
+
+@ai_task(gpus=1, gpu_type="A10", kind="inference", est_seconds=60)
+def gated(i: int, flag: str) -> int:
+    deadline = time.time() + 120
+    while not os.path.exists(flag) and time.time() < deadline:
+        time.sleep(0.05)
+    return i * 3
+
+
+def _queue(plane) -> dict:
+    return plane.ok("GET", "/v1/queue")
+
+
+def _wait_for(check, timeout: float = 120.0, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_waiting_runs_hold_no_thread_on_either_side(control_plane, tmp_path):
+    """WAITING runs wait in the queue behind one that holds the A10: neither the flow process nor the control plane
+    grows a thread per waiting run (each grows by a handful at most), and every run then completes once."""
+    t = tenant(control_plane)
+    flag = str(tmp_path / "go")
+    plane = psutil.Process(control_plane.proc.pid)
+    before_plane, before_flow = plane.num_threads(), threading.active_count()
+    out: dict = {}
+
+    @flow(task_runner=t.runner())
+    def fan_out() -> list[int]:
+        return [f.result() for f in gated.map(range(WAITING + 1), flag=flag)]
+
+    runner = threading.Thread(target=lambda: out.setdefault("result", fan_out()))
+    runner.start()
+    try:
+        _wait_for(lambda: _queue(control_plane)["queued"] >= WAITING, what=f"{WAITING} runs waiting in the queue")
+        during_plane, during_flow = plane.num_threads(), threading.active_count()
+    finally:
+        Path(flag).touch()
+        runner.join(timeout=300)
+    assert out["result"] == [i * 3 for i in range(WAITING + 1)]
+    # A thread per waiting run would add WAITING to each side; the plane follows one running run with one thread.
+    assert during_plane - before_plane <= 12, (before_plane, during_plane)
+    assert during_flow - before_flow <= 12, (before_flow, during_flow)
+    status = _queue(control_plane)
+    assert status["queued"] == 0 and status["running"] == 0
+
+
+FLOW_SCRIPT = textwrap.dedent('''
+    import sys, time
+    from prefect import flow
+    from prefect.context import FlowRunContext
+    from aisched_prefect import AISchedTaskRunner, ai_task
+
+    @ai_task(gpus=1, gpu_type="A10", kind="inference", est_seconds=30)
+    def slow(i):
+        time.sleep(5)
+        return i
+
+    @flow(task_runner=AISchedTaskRunner(control_plane=sys.argv[1], credential=sys.argv[2]))
+    def doomed(n):
+        print(FlowRunContext.get().flow_run.id, flush=True)
+        return [f.result() for f in slow.map(range(n))]
+
+    doomed(int(sys.argv[3]))
+''')
+
+
+def test_a_flow_process_killed_with_runs_waiting_leaves_the_queue_and_each_run_is_charged_once(control_plane,
+                                                                                                 tmp_path):
+    """kill -9 of the flow process while one run holds the A10 and the others wait: once its session lapses the
+    waiting runs leave the queue with nothing charged, the running one finishes and is settled, and every
+    admission has exactly one settlement."""
+    n = 12
+    t = tenant(control_plane)
+    script = tmp_path / "doomed.py"
+    script.write_text(FLOW_SCRIPT)
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), control_plane.url, t.token, str(n)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        flow_run_id = proc.stdout.readline().strip()
+        _wait_for(lambda: _queue(control_plane)["queued"] >= n - 2, what="the flow's runs waiting in the queue")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def settled():
+        records = control_plane.records(flow_run_id)
+        admitted = [r for r in records if r.kind == "admission"]
+        ended = [r for r in records if r.kind == "settlement"]
+        return (admitted, ended) if len(admitted) == n and len(ended) == n else None
+
+    admitted, ended = _wait_for(settled, timeout=180, what="every run settled after its flow process died")
+    assert len({r.task_run_id for r in ended}) == n  # one settlement per run
+    outcomes = [r.payload["outcome"] for r in ended]
+    # Twelve 5 s runs, one at a time, outlast the session's lease: the last of them never started.
+    assert outcomes.count("abandoned-while-queued") >= 1, outcomes
+    assert set(outcomes) <= {"abandoned-while-queued", "completed"}, outcomes
+    for r in ended:
+        if r.payload["outcome"] == "abandoned-while-queued":
+            assert all(s.get("charged", 0) == 0 for s in r.payload.get("settlements", [])), r.payload
+    assert _wait_for(lambda: _queue(control_plane)["queued"] == 0 and _queue(control_plane)["running"] == 0 or None,
+                     what="the queue empty")
