@@ -126,7 +126,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         with self._lock:
             loop = self._calls_loop()
         task_run_id = uuid7()
-        coro = _run_ai_task(async_twin(task), task_run_id, parameters, wait_for, dependencies)
+        coro = _run_ai_task(loop, async_twin(task), task_run_id, parameters, wait_for, dependencies)
         return PrefectConcurrentFuture(task_run_id=task_run_id, wrapped_future=loop.start(coro, copy_context()))
 
     def __enter__(self) -> AISchedTaskRunner:
@@ -166,11 +166,15 @@ class AISchedTaskRunner(ThreadPoolTaskRunner):
         return state
 
 
-async def _run_ai_task(task: Any, task_run_id: Any, parameters: dict[str, Any], wait_for: Any,
+async def _run_ai_task(loop: LoopThread, task: Any, task_run_id: Any, parameters: dict[str, Any], wait_for: Any,
                        dependencies: Any) -> Any:
     """Prefect's async task engine for one AI task run, once the futures it depends on are done (awaited here:
-    the engine would block the loop on them, and they may be runs on this same loop)."""
+    the engine would block the loop on them, and they may be runs on this same loop). Every run on the loop
+    shares one Prefect client (the engine would otherwise make one, with its TLS context, per run)."""
+    from prefect.context import AsyncClientContext
     from prefect.futures import PrefectFuture
+
+    AsyncClientContext.__var__.set(await loop.prefect_client())
     from prefect.task_engine import run_task_async
     from prefect.utilities.collections import visit_collection
 

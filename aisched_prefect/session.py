@@ -186,6 +186,8 @@ class RunnerSession:
                         flow_name: str | None = None, run_key: str | None = None, deployment: bool = False,
                         attempt: int = 1) -> Any:
         """`run`, as a coroutine on the session's loop: a waiting run holds no thread and no connection."""
+        from aisched_prefect.task import as_sync
+
         self.flow_run_ids.add(flow_run_id)
         fn_bytes, modules, digest = self._pickled(fn)
         args_bytes = cloudpickle.dumps((args, kwargs))
@@ -197,8 +199,8 @@ class RunnerSession:
         reply, out = await self.stream.call(meta, fn_bytes, args_bytes)
         while reply.status == "approval-pending":
             assert reply.approval is not None
-            await asyncio.to_thread(self._hook, reply.approval)
-            view = await asyncio.to_thread(self._desk.wait, reply.approval, deployment=deployment)
+            await asyncio.to_thread(as_sync(self._hook), reply.approval)
+            view = await asyncio.to_thread(as_sync(self._desk.wait), reply.approval, deployment=deployment)
             reply, out = await self.stream.call(meta.model_copy(update={"admission": view.id}), fn_bytes, args_bytes)
         return self._result(reply, out, task_name)
 

@@ -36,6 +36,8 @@ BATCH_SECONDS = 0.005  # calls made this close together travel in one request (a
 BATCH_CALLS = 1000
 BATCH_BYTES = 16 * 2**20
 POLL_WAIT_SECONDS = 20.0  # one long-poll, below a proxy's idle timeout
+FAILOVER_SECONDS = 3.0  # a replica's poll that fails this long sends its calls to another replica
+DOWN_SECONDS = 10.0  # a replica that failed is tried last for this long
 
 
 class ResultMismatch(AISchedError):
@@ -49,6 +51,21 @@ class LoopThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
+        self._client_ctx: Any = None
+        self._client_lock: asyncio.Lock | None = None
+
+    async def prefect_client(self) -> Any:
+        """One Prefect async client context for every task engine on this loop (entered once, closed with it)."""
+        if self._client_ctx is None:
+            self._client_lock = self._client_lock or asyncio.Lock()
+            async with self._client_lock:
+                if self._client_ctx is None:
+                    from prefect.context import AsyncClientContext
+
+                    ctx = AsyncClientContext()
+                    await ctx.__aenter__()
+                    self._client_ctx = ctx
+        return self._client_ctx
 
     def start(self, coro: Coroutine[Any, Any, Any], context: contextvars.Context | None = None
               ) -> concurrent.futures.Future[Any]:
@@ -71,6 +88,12 @@ class LoopThread:
     def close(self) -> None:
         if self.loop.is_closed():
             return
+        if self._client_ctx is not None:
+            ctx, self._client_ctx = self._client_ctx, None
+            try:
+                asyncio.run_coroutine_threadsafe(ctx.__aexit__(None, None, None), self.loop).result(timeout=10)
+            except Exception:
+                logger.debug("closing the shared Prefect client failed", exc_info=True)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
@@ -87,7 +110,14 @@ def _chain(task: asyncio.Task[Any], out: concurrent.futures.Future[Any]) -> None
 
 
 class CallStream:
-    """A flow process's submit stream and outcome poll, on `LoopThread`'s loop (every method is called there)."""
+    """A flow process's submit stream and outcome polls, on `LoopThread`'s loop (every method is called there).
+
+    Calls are spread over the control plane's replicas (a batch at a time); each replica that accepted calls of
+    this flow process has one long-poll for their outcomes. A replica that stops answering has its calls sent
+    again, under the same keys, to another: that one takes them over once the first one's heartbeat lapsed
+    (each run is still admitted once and settled once), re-attaches to those it runs, and returns the stored
+    reply of those that ended.
+    """
 
     def __init__(self, urls: list[str], token: str, retry_seconds: float = 120.0) -> None:
         self.urls = list(urls)
@@ -99,9 +129,14 @@ class CallStream:
         self._flush: asyncio.TimerHandle | None = None
         self._waiting: dict[str, asyncio.Future[tuple[Reply, bytes]]] = {}
         self._arrived: dict[str, tuple[Reply, bytes]] = {}
-        self._after = 0
-        self._poller: asyncio.Task[None] | None = None
-        self._preferred = 0
+        self._next = 0  # the replica the next batch goes to first
+        self._down: dict[int, float] = {}  # replica -> until when it is skipped (it stopped answering)
+        self._accepted_at: dict[str, int] = {}  # call key -> the replica that accepted it
+        self._pending_at: dict[int, set[str]] = {}  # replica -> keys it follows for us
+        self._after: dict[int, int] = {}  # replica -> the last outcome seq seen from it
+        self._pollers: dict[int, asyncio.Task[None]] = {}
+        self._sent: dict[str, tuple[CallMeta, bytes, bytes]] = {}  # accepted, not ended: sent again on a takeover
+        self._replica_at: dict[int, str] = {}  # replica -> the name it answered its last poll with
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
@@ -111,8 +146,8 @@ class CallStream:
         return self._http
 
     async def aclose(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for poller in self._pollers.values():
+            poller.cancel()
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(AISchedError("the runner closed before the run ended"))
@@ -122,6 +157,16 @@ class CallStream:
     # -- one call ---------------------------------------------------------------------------------
     async def call(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> tuple[Reply, bytes]:
         """Submit one call (batched with its neighbours) and wait, as a coroutine, for how it ended."""
+        reply = await self._accept(meta, fn_bytes, args_bytes)
+        if reply.status != "accepted":
+            return reply, b""
+        self._sent[reply.key] = (meta, fn_bytes, args_bytes)
+        try:
+            return await self._outcome(reply.key)
+        finally:
+            self._sent.pop(reply.key, None)
+
+    async def _accept(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> Reply:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[Reply] = loop.create_future()
         self._batch.append((meta, fn_bytes, args_bytes, accepted))
@@ -130,18 +175,20 @@ class CallStream:
         elif self._flush is None:
             self._flush = loop.call_later(BATCH_SECONDS, self._send_now)
         reply = await accepted
-        if reply.status != "accepted":
-            return reply, b""
-        return await self.outcome(reply.key)
+        if reply.status == "accepted":
+            k = self._accepted_at.pop(reply.key, 0)
+            self._pending_at.setdefault(k, set()).add(reply.key)
+            poller = self._pollers.get(k)
+            if poller is None or poller.done():
+                self._pollers[k] = asyncio.ensure_future(self._poll(k))
+        return reply
 
-    async def outcome(self, key: str) -> tuple[Reply, bytes]:
+    async def _outcome(self, key: str) -> tuple[Reply, bytes]:
         if key in self._arrived:
             return self._arrived.pop(key)
         fut = self._waiting.get(key)
         if fut is None or fut.done():
             fut = self._waiting[key] = asyncio.get_running_loop().create_future()
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.ensure_future(self._poll())
         try:
             return await fut
         finally:
@@ -162,7 +209,9 @@ class CallStream:
                 size += len(item[1]) + len(item[2])
             asyncio.ensure_future(self._submit(part))
 
-    async def _submit(self, part: list[tuple[CallMeta, bytes, bytes, asyncio.Future[Reply]]]) -> None:
+    async def _submit(self, part: list[tuple[CallMeta, bytes, bytes, asyncio.Future[Reply]]],
+                      deadline: float | None = None) -> None:
+        deadline = deadline if deadline is not None else time.monotonic() + self.retry_seconds
         functions: dict[bytes, int] = {}
         calls: list[RunIn] = []
         for meta, fn, args, _ in part:
@@ -170,8 +219,9 @@ class CallStream:
             calls.append(RunIn(meta=meta, function=index, args_length=len(args)))
         head = RunsIn(session=self.session, functions=[len(f) for f in functions], calls=calls)
         body = frame(head.model_dump_json().encode(), b"".join(functions) + b"".join(a for _, _, a, _ in part))
+        first, self._next = self._next, (self._next + 1) % len(self.urls)  # batches are spread over the replicas
         try:
-            resp = await self._send("POST", "/v1/runs", content=body, headers={"content-type": FRAME})
+            k, resp = await self._send("POST", "/v1/runs", first=first, content=body, headers={"content-type": FRAME})
             replies = [Reply.model_validate(r) for r in resp.json()["replies"]]
         except BaseException as exc:  # every call of the batch learns why
             for *_, fut in part:
@@ -185,30 +235,41 @@ class CallStream:
             if reply.status == "failed" and reply.error_type == "busy":  # in flight on another replica: ask again
                 retry.append(item)
             elif not item[3].done():
+                if reply.status == "accepted":
+                    self._accepted_at[reply.key] = k
                 item[3].set_result(reply)
         if retry:
+            if time.monotonic() > deadline:
+                for *_, fut in retry:
+                    fut.set_exception(AISchedError("the call stayed busy on another replica of the control plane "
+                                                   f"for {self.retry_seconds:g}s. Fix: check the replicas' health"))
+                return
             await asyncio.sleep(0.5)
-            await self._submit(retry)
+            await self._submit(retry, deadline)
 
-    async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """One request to the first replica that answers, retried while none does (every request is idempotent)."""
+    async def _send(self, method: str, path: str, *, first: int = 0, only: int | None = None,
+                    patience: float | None = None, **kw: Any) -> tuple[int, httpx.Response]:
+        """One request to the first replica that answers (starting at `first`; `only`: that one alone), retried
+        while none does (every request is idempotent); returns which replica answered."""
         from aisched_prefect.client import ControlPlaneError, ControlPlaneUnavailable
 
-        deadline = time.monotonic() + self.retry_seconds
+        deadline = time.monotonic() + (self.retry_seconds if patience is None else patience)
         last: Exception | str | None = None
+        order = [only] if only is not None else [(first + i) % len(self.urls) for i in range(len(self.urls))]
         while True:
-            for i in range(len(self.urls)):
-                k = (self._preferred + i) % len(self.urls)
+            now = time.monotonic()
+            for k in sorted(order, key=lambda k: self._down.get(k, 0) > now):  # replicas that failed go last
                 try:
                     resp = await self._client().request(method, self.urls[k] + path, **kw)
                 except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
                         httpx.ReadTimeout, httpx.PoolTimeout) as exc:
                     last = exc
+                    self._down[k] = time.monotonic() + DOWN_SECONDS
                     continue
                 if resp.status_code in (502, 503, 504):
                     last = f"HTTP {resp.status_code}"
                     continue
-                self._preferred = k
+                self._down.pop(k, None)
                 if resp.status_code >= 400:
                     try:
                         problem = resp.json()
@@ -217,35 +278,75 @@ class CallStream:
                     if resp.status_code == 422:
                         raise InvalidAIRequest(problem.get("error", "invalid request"))
                     raise ControlPlaneError(resp.status_code, problem)
-                return resp
+                return k, resp
             if time.monotonic() > deadline:
                 raise ControlPlaneUnavailable(
-                    f"no control plane answered at {', '.join(self.urls)} ({last}). "
+                    f"no control plane answered at {', '.join(self.urls[k] for k in order)} ({last}). "
                     "Fix: start it (`aisched serve`) or correct AISCHED_CONTROL_PLANE") from None
             await asyncio.sleep(0.5)
 
     # -- outcomes ------------------------------------------------------------------------------------
-    async def _poll(self) -> None:
-        """The one long-poll of this flow process, while any of its calls waits for its outcome."""
-        while self._waiting:
+    async def _poll(self, k: int) -> None:
+        """The long-poll of replica `k`, while it follows calls of this flow process."""
+        from aisched_prefect.client import ControlPlaneUnavailable
+
+        alone = len(self.urls) == 1  # no other replica to go to: wait for this one to come back
+        while self._pending_at.get(k):
             try:
-                resp = await self._send("GET", "/v1/outcomes", params={"session": self.session, "after": self._after,
-                                                                       "wait": POLL_WAIT_SECONDS})
+                _, resp = await self._send("GET", "/v1/outcomes", only=k, patience=None if alone else FAILOVER_SECONDS,
+                                           params={"session": self.session, "after": self._after.get(k, 0),
+                                                   "wait": POLL_WAIT_SECONDS})
                 head_bytes, blob = unframe(resp.content)
                 head = OutcomesOut.model_validate_json(head_bytes)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the plane refused the session, or is gone past retry_seconds: fail the waits
-                for fut in list(self._waiting.values()):
-                    if not fut.done():
-                        fut.set_exception(exc)
+            except ControlPlaneUnavailable:  # the replica is gone: its calls go to another one, same keys
+                moved = self._pending_at.pop(k, set())
+                if len(self.urls) > 1 and moved:
+                    logger.warning("control plane %s stopped answering: sending its %d call(s) to another replica",
+                                   self.urls[k], len(moved))
+                    await self._resend({key: self._sent[key] for key in moved if key in self._sent})
+                    continue
+                self._fail(moved, ControlPlaneUnavailable(
+                    f"the control plane at {self.urls[k]} stopped answering while {len(moved)} AI task run(s) "
+                    "waited for it. Fix: start it again (`aisched serve`): runs re-attach by key"))
                 return
+            except Exception as exc:  # the plane refused the session: the waits end with why
+                self._fail(self._pending_at.pop(k, set()), exc)
+                return
+            known = self._replica_at.get(k)
+            self._replica_at[k] = head.replica
+            if known is not None and head.replica != known:  # restarted: it knows our calls by key, not our session
+                moved = self._pending_at.pop(k, set())
+                self._after[k] = 0
+                logger.warning("control plane %s restarted: re-attaching %d waiting call(s)", self.urls[k], len(moved))
+                await self._resend({key: self._sent[key] for key in moved if key in self._sent})
+                continue
             at = 0
             for o in head.outcomes:
                 out = blob[at:at + o.length]
                 at += o.length
-                self._after = max(self._after, o.seq)
+                self._after[k] = max(self._after.get(k, 0), o.seq)
+                self._pending_at.get(k, set()).discard(o.key)
                 self._deliver(o.key, o.reply, out)
+
+    def _fail(self, keys: set[str], exc: Exception) -> None:
+        for key in keys:
+            fut = self._waiting.get(key)
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+
+    async def _resend(self, sent: dict[str, tuple[CallMeta, bytes, bytes]]) -> None:
+        async def again(key: str, meta: CallMeta, fn: bytes, args: bytes) -> None:
+            try:
+                reply = await self._accept(meta, fn, args)
+            except Exception as exc:  # noqa: BLE001 - the wait for this call ends with why
+                reply = Reply(status="failed", key=key, error_type=type(exc).__name__,
+                              error_message=f"could not re-attach to the call: {exc}")
+            if reply.status != "accepted":  # it ended meanwhile (its stored reply), or was refused
+                self._deliver(key, reply, b"")
+
+        await asyncio.gather(*(again(key, *item) for key, item in sent.items()))
 
     def _deliver(self, key: str, reply: Reply, out: bytes) -> None:
         if reply.status == "completed" and reply.result_digest and result_digest(out) != reply.result_digest:

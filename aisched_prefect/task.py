@@ -64,8 +64,30 @@ async def _admit_and_run_async(fn: Callable[..., Any], request: AIRequest, args:
     import asyncio
 
     runner, call = _call_context(fn)
-    session = await asyncio.to_thread(lambda: runner.session)  # the first call may start an embedded plane
+    session = await asyncio.to_thread(as_sync(lambda: runner.session))  # the first call may start an embedded plane
     return await session.run_async(fn, request, args, kwargs, **call)
+
+
+SYNC_TASK_ATTR = "aisched_sync_task"
+
+
+def as_sync(fn: Callable[..., R]) -> Callable[..., R]:
+    """`fn`, to be called in a thread on behalf of an AI task run that waits as a coroutine, with Prefect seeing
+    the task as the sync one it is (Prefect's sync/async dispatch reads the running task's `isasync`: under the
+    async twin, `Block.load` or `pause_flow_run` would return coroutines)."""
+    from prefect.context import TaskRunContext
+
+    ctx = TaskRunContext.get()
+    original = getattr(getattr(ctx, "task", None), SYNC_TASK_ATTR, None)
+    if ctx is None or original is None:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> R:
+        with ctx.model_copy(update={"task": original}):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def async_twin(task: Task[Any, Any]) -> Task[Any, Any]:
@@ -85,6 +107,7 @@ def async_twin(task: Task[Any, Any]) -> Task[Any, Any]:
     twin = copy.copy(task)
     twin.fn = admitted
     twin.isasync = True
+    setattr(twin, SYNC_TASK_ATTR, task)
     return twin
 
 

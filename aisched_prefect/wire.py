@@ -133,6 +133,7 @@ class OutcomeOut(BaseModel):
 class OutcomesOut(BaseModel):
     outcomes: list[OutcomeOut]
     pending: int  # the session's calls not ended yet
+    replica: str = ""  # who answered: a flow whose calls another replica accepted sends them here again
 
 
 class Problem(BaseModel):

@@ -188,7 +188,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
                                                   min(wait, plane.settings.outcome_wait_seconds),
                                                   plane.settings.outcome_batch_bytes)
         head = OutcomesOut(outcomes=[OutcomeOut(key=k.key, seq=k.seq, reply=k.reply, length=len(k.out)) for k in kept],
-                           pending=pending)
+                           pending=pending, replica=plane.replica)
         return Response(frame(head.model_dump_json().encode(), b"".join(k.out for k in kept)), media_type=FRAME)
 
     @app.get("/v1/approvals")
