@@ -16,6 +16,7 @@ from dask_gpu.security import ClusterTLS
 from dask_gpu.tickets import TRUSTED_KEYS_ENV
 
 PRELOAD = "dask_gpu.preload"
+NANNY_PRELOAD = "dask_gpu.nanny_preload"
 SCHEDULER_PRELOAD = "dask_gpu.scheduler_preload"
 
 
@@ -67,6 +68,7 @@ class LocalGPUCluster(SpecCluster):
                     "nthreads": threads_per_worker or max(4, 4 * gpus + 2),
                     "host": host,
                     "preload": [PRELOAD],
+                    "preload_nanny": [NANNY_PRELOAD],
                     "env": env,
                     "silence_logs": silence_logs,
                     "dashboard": False,

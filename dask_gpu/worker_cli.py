@@ -22,6 +22,7 @@ from dask_gpu.inventory import DECLARED_ENV, discover
 from dask_gpu.tickets import TRUSTED_KEYS_ENV, TicketRejected, parse_trusted_keys
 
 PRELOAD = "dask_gpu.preload"
+NANNY_PRELOAD = "dask_gpu.nanny_preload"  # the gate on the nanny too: its `run` executes code
 
 
 def take_option(args: list[str], name: str, prog: str, example: str, many: bool = False) -> list[str]:
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         args += ["--tls-ca-file", files["ca"], "--tls-cert", files["cert"], "--tls-key", files["key"]]
     from distributed.cli.dask_worker import main as dask_worker
 
-    dask_worker.main(args=[*args, "--preload", PRELOAD], prog_name=prog)
+    dask_worker.main(args=[*args, "--preload", PRELOAD, "--preload-nanny", NANNY_PRELOAD], prog_name=prog)
 
 
 if __name__ == "__main__":  # pragma: no cover
