@@ -123,6 +123,8 @@ class WorkerView(BaseModel):
     inventory: WorkerInventory
     held: dict[str, list[str]]  # Dask key of a running task -> keys of the devices it holds
     usage: dict[str, tuple[float, float]]  # device key -> (share in use, GB reserved)
+    isolation: str = ""  # "isolated", "unisolated" or "shared" (dask_gpu.isolation); "": an older worker
+    isolation_detail: str = ""  # the worker's one line about it, as it logged at start
 
     def free(self) -> dict[str, float]:
         """Device key -> share of it still free."""
@@ -135,7 +137,8 @@ def cluster_view(client: Client) -> list[WorkerView]:
     for address, answer in client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"}, on_error="ignore").items():
         if isinstance(answer, dict) and "inventory" in answer:
             out.append(WorkerView(name=answer["name"] or address, address=address, inventory=answer["inventory"],
-                                  held=answer["held"], usage=answer["usage"]))
+                                  held=answer["held"], usage=answer["usage"], isolation=answer.get("isolation", ""),
+                                  isolation_detail=answer.get("isolation_detail", "")))
     return sorted(out, key=lambda w: w.name)
 
 
