@@ -133,14 +133,16 @@ class GPUWorkerPlugin(WorkerPlugin):
         bodies = settings.bodies_dir or os.path.join(local or "/var/lib/dask-gpu", "bodies")
         os.makedirs(bodies, mode=0o711, exist_ok=True)
         os.chmod(bodies, 0o711)
+        scratch = [local, os.path.dirname(local)] if local else []  # Dask puts these on sys.path: never bound
         security = getattr(worker, "security", None)
-        secrets = {str(v) for k, v in vars(security).items() if k.startswith("tls_") and isinstance(v, str)
-                   and os.path.isfile(str(v))} if security is not None else set()
+        fields = [f"tls_{who}_{what}" for who in ("worker", "client", "scheduler") for what in ("cert", "key")]
+        found = [getattr(security, f, None) for f in ("tls_ca_file", *fields)] if security is not None else []
+        secrets = {v for v in found if isinstance(v, str) and os.path.isfile(v)}
         for path in list(secrets):  # the whole TLS folder: on one host it may hold the control plane's key too
             folder = os.path.dirname(path)
             secrets.update(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".key", ".pem")))
         self._sandbox = filesystem.sandbox_argv(
-            settings.bwrap, read_only=filesystem.code_paths(sys.path, settings.extra_paths),
+            settings.bwrap, read_only=filesystem.code_paths(filesystem.without(sys.path, scratch), settings.extra_paths),
             hide=[local, *secrets], devices=devices.sandbox_nodes(settings.device_nodes,
                                                                  [d.index for d in self.inventory.devices]),
             bodies_dir=bodies)

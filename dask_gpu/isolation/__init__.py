@@ -24,7 +24,7 @@ import shutil
 import threading
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dask_gpu.errors import DaskGPUError
 
@@ -80,10 +80,15 @@ def settings_from_config() -> IsolationSettings:
 
     raw = dask.config.get(CONFIG_KEY, default={}) or {}
     values = {str(k).replace("-", "_"): v for k, v in dict(raw).items() if v is not None}
+    for key in ("tenant", "bwrap", "device_nodes", "bodies_dir"):  # the environment's "123" reads as a number
+        if key in values:
+            values[key] = str(values[key])
     try:
         return IsolationSettings(**values)
-    except Exception as exc:  # pydantic's message names the field
-        raise IsolationError(f"dask config {CONFIG_KEY} is malformed: {exc}. Fix: see `dask-gpu-worker --help` "
+    except ValidationError as exc:
+        what = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in exc.errors())
+        raise IsolationError(f"dask config {CONFIG_KEY} is malformed: {what}. Fix: see `dask-gpu-worker --help` "
                              "(--isolation, --tenant, --body-uids, --device-nodes)") from None
 
 

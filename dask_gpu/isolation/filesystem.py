@@ -79,6 +79,17 @@ def _outermost(paths: Iterable[str]) -> list[str]:
     return sorted(out)
 
 
+def without(paths: Iterable[str], excluded: Iterable[str]) -> list[str]:
+    """`paths` less those equal to or inside any of `excluded` (the worker's scratch space Dask puts on sys.path).
+
+    >>> without(["/opt/code", "/tmp/dask-scratch-space/worker-1", "/tmp/dask-scratch-space"], ["/tmp/dask-scratch-space"])
+    ['/opt/code']
+    """
+    out = [os.path.realpath(e).rstrip("/") for e in excluded if e]
+    return [p for p in paths if p and not any(os.path.realpath(p) == e or os.path.realpath(p).startswith(e + "/")
+                                              for e in out)]
+
+
 def code_paths(sys_path: Iterable[str], extra: Iterable[str] = ()) -> list[str]:
     """What a body must read: the interpreter and its install, the import path, and the operator's extra paths."""
     import sys
@@ -139,5 +150,6 @@ def enter_run(uid: int, gid: int, workdir: str, devices: Iterable[int]) -> None:
 
 def body_env(extra: dict[str, str], import_path: Iterable[str]) -> dict[str, str]:
     """A body's whole environment: nothing of the worker's, only what its run gives it and where it lives."""
+    seen = list(dict.fromkeys(p for p in import_path if p and os.path.exists(p)))
     return {"PATH": PATH, "HOME": HOME, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PWD": HOME,
-            "PYTHONPATH": ":".join(p for p in import_path if p), **extra}
+            "PYTHONPATH": ":".join(seen), **extra}
