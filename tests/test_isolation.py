@@ -55,7 +55,13 @@ def _bodies():
         deadline = time.monotonic() + 90
         while not os.path.exists(os.path.join(home, "release")) and time.monotonic() < deadline:
             time.sleep(0.05)  # until the test, as root on the host, drops `release` into this body's directory
+        import subprocess
+        import sys
+
+        child = subprocess.run([sys.executable, "-c", "import os, json; print(os.getuid())"], capture_output=True,
+                               text=True, timeout=60)  # a body starts programs (torchrun) as itself
         return {"uid": os.getuid(), "gid": os.getgid(), "home": home, "pid": os.getpid(),
+                "subprocess": child.stdout.strip() or child.stderr[-300:],
                 "procs": sorted(p for p in os.listdir("/proc") if p.isdigit()),
                 "dev": sorted(d for d in os.listdir("/dev") if d.startswith("nvidia")),
                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "env": sorted(os.environ)}
@@ -190,6 +196,7 @@ def test_two_tenants_bodies_on_one_root_worker_cannot_reach_each_other_or_the_wo
 
     # Different identities of their own, never the worker's (root).
     assert seen_by_a["uid"] == a_uid and UIDS[0] <= a_uid <= UIDS[1]
+    assert seen_by_a["subprocess"] == str(a_uid)
     assert UIDS[0] <= seen_by_b["uid"] <= UIDS[1] and seen_by_b["uid"] != a_uid
     assert psutil.Process(worker_pid).uids().real == 0
     # Neither the other's files, nor the worker's key, local directory or process.

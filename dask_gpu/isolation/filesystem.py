@@ -15,7 +15,7 @@ a few system calls measured in milliseconds:
 
 - a PID namespace (its process is PID 1 there: /proc, mounted fresh, shows
   only the body and what it started, and killing it ends all of them),
-- a mount namespace with a private tmpfs on /tmp and its working directory
+- a mount namespace with a private tmpfs on /tmp and /dev/shm, its working directory
   (a directory of its own under the bodies directory, 0700, its UID's) bound
   on /home/body, the bodies directory itself covered, and only its own GPU
   nodes left in /dev (dask_gpu.isolation.devices).
@@ -39,6 +39,8 @@ HOME = "/home/body"
 BODIES = "/run/aisched-bodies"  # where the bodies directory is bound inside a tenant's sandbox
 PATH = "/usr/local/bin:/usr/bin:/bin"
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# What the CUDA driver and NVML read about devices and topology (read-only; no cgroup or kernel knobs).
+SYS_DIRS = ("/sys/block", "/sys/bus", "/sys/class", "/sys/dev", "/sys/devices")
 ETC_FILES = ("resolv.conf", "hosts", "nsswitch.conf", "passwd", "group", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
              "ssl", "ca-certificates", "localtime", "alternatives", "os-release", "gai.conf", "host.conf", "protocols",
              "services", "mime.types")
@@ -99,6 +101,12 @@ def code_paths(sys_path: Iterable[str], extra: Iterable[str] = ()) -> list[str]:
     return _outermost([*install, *sys_path, *extra])
 
 
+def _ancestors(path: str) -> list[str]:
+    """'/a/b/c' -> ['/a', '/a/b'] (not '/', not the path itself)."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
 def sandbox_argv(bwrap: str, *, read_only: Iterable[str], hide: Iterable[str], devices: Iterable[tuple[str, str]],
                  bodies_dir: str) -> list[str]:
     """bwrap's arguments for a tenant's zygote (the command goes after them)."""
@@ -114,6 +122,9 @@ def sandbox_argv(bwrap: str, *, read_only: Iterable[str], hide: Iterable[str], d
         path = os.path.join("/etc", name)
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
+    for d in SYS_DIRS:
+        if os.path.isdir(d):
+            args += ["--ro-bind", d, d]
     args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME, "--bind", bodies_dir, BODIES]
     system = [os.path.realpath(d) for d in SYSTEM_DIRS if os.path.isdir(d)]
     for path in read_only:
@@ -121,6 +132,11 @@ def sandbox_argv(bwrap: str, *, read_only: Iterable[str], hide: Iterable[str], d
             args += ["--ro-bind", path, path]
     for src, dst in devices:
         args += ["--dev-bind", src, dst]
+    # bwrap makes the parents of a bound path with the host's modes (/root: 0700): a body must traverse them.
+    parents = sorted({a for p in read_only for a in _ancestors(p)} - set(read_only), key=len)
+    for parent in parents:
+        if not any(parent == s or parent.startswith(s + "/") for s in system):
+            args += ["--chmod", "0755", parent]
     bound = [p for p in read_only]
     for path in sorted({os.path.realpath(p) for p in hide if p}):
         if not any(path == b or path.startswith(b.rstrip("/") + "/") for b in bound):
@@ -135,13 +151,14 @@ def sandbox_argv(bwrap: str, *, read_only: Iterable[str], hide: Iterable[str], d
 def enter_run(uid: int, gid: int, workdir: str, devices: Iterable[int]) -> None:
     """In a body's new process (root, PID 1 of its own PID namespace): its own mount namespace and views.
 
-    A private /tmp and its working directory on /home/body, the other bodies' directories covered, only its own
+    A private /tmp and /dev/shm, its working directory on /home/body, the other bodies' directories covered, only its own
     GPU nodes in /dev, and a /proc of its PID namespace. The caller then drops to `uid`."""
     from dask_gpu.isolation.devices import keep_only
 
     unshare(CLONE_NEWNS)
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}")
+    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}")  # NCCL, DataLoader
     mount(workdir, HOME, None, MS_BIND)
     mount("tmpfs", BODIES, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0000,size=4k")
     keep_only(devices)
