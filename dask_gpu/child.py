@@ -185,8 +185,9 @@ def _watch_worker(conn: socket.socket) -> None:
             time.sleep(0.5)
 
 
-def child_main(conn: socket.socket, setup: Any = None, announce: bool = True) -> int:
-    """Run one body. `setup(header)` runs once the body's bytes arrived and before any is unpickled (isolation)."""
+def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, imports: list[str] = ()) -> int:
+    """Run one body. `setup(header)` runs once the body's bytes arrived and before any is unpickled (isolation);
+    `imports`: modules its zygote left to it (a flow's own, on an isolated worker), imported once its env is set."""
     import cloudpickle
 
     if announce:
@@ -204,6 +205,11 @@ def child_main(conn: socket.socket, setup: Any = None, announce: bool = True) ->
             return 1
     threading.Thread(target=_watch_worker, args=(conn,), daemon=True).start()
     os.environ.update(header.get("env", {}))
+    for name in imports:
+        try:
+            __import__(name)
+        except BaseException:  # noqa: BLE001 - the body reports it when it unpickles
+            pass
     from dask_gpu.execute import _current_devices
     from dask_gpu.inventory import GPUDevice
 
@@ -275,13 +281,8 @@ def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], p
                 os.closerange(conn.fileno() + 1, 1 << 16)
                 os.environ.clear()
                 os.environ.update(filesystem.body_env({}, sys.path))
-                for name in late:
-                    try:
-                        __import__(name)
-                    except BaseException:  # noqa: BLE001 - the body reports it when it unpickles
-                        pass
 
-            code = child_main(conn, setup=setup, announce=False)
+            code = child_main(conn, setup=setup, announce=False, imports=late)
         finally:
             os._exit(code)
     send_msg(conn, json.dumps({"pid": pid}).encode())

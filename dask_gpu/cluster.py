@@ -32,6 +32,11 @@ class LocalGPUCluster(SpecCluster):
     With `tls` (a `ClusterTLS`), scheduler and workers speak only mutual TLS:
     a client without the CA's client certificate cannot connect. Each worker
     trusts the `trusted_keys` for tickets (fixed here, at start).
+    `isolation` is the workers' mode (dask_gpu.isolation): by default the
+    dask config's `dask-gpu.isolation.mode`, else `shared`, since a local
+    cluster is one user's host (the embedded control plane, `make demo`), whose
+    bodies share its files; `"auto"` isolates bodies where the workers run as
+    root with bubblewrap, as `dask-gpu-worker` does on a GPU host.
     """
 
     def __init__(
@@ -43,8 +48,16 @@ class LocalGPUCluster(SpecCluster):
         allowed_failures: int = 0,
         trusted_keys: list[str] | None = None,
         tls: ClusterTLS | None = None,
+        isolation: str | None = None,
         **kwargs: Any,
     ) -> None:
+        import dask
+
+        from dask_gpu.isolation import CONFIG_KEY, MODES
+
+        mode = isolation or dask.config.get(f"{CONFIG_KEY}.mode", default=None) or "shared"
+        if mode not in MODES:
+            raise ValueError(f"LocalGPUCluster(isolation={mode!r}): expected one of {', '.join(MODES)}")
         security = tls.security("cluster") if tls is not None else None
         protocol = {"protocol": "tls", "security": security} if security is not None else {}
         spec = declared if declared is not None else os.environ.get(DECLARED_ENV)
@@ -69,6 +82,7 @@ class LocalGPUCluster(SpecCluster):
                     "host": host,
                     "preload": [PRELOAD],
                     "preload_nanny": [NANNY_PRELOAD],
+                    "config": {"dask-gpu": {"isolation": {"mode": mode}}},  # the worker process reads it
                     "env": env,
                     "silence_logs": silence_logs,
                     "dashboard": False,

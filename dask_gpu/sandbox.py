@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from dask_gpu.child import WORKER_ENV
 from dask_gpu.execute import DeviceRun, gpu_env, hold_devices
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
-from dask_gpu.errors import DeviceUnavailable
+from dask_gpu.errors import DaskGPUError, DeviceUnavailable
 from dask_gpu.gang import free_port, members_env
 from dask_gpu.tickets import MEET_OP, PLACED_TOPIC, REDEEM_OP, Ticket, TicketRejected, digest, verify_signature
 from dask_gpu.zygote import kill_group, recv_msg, send_msg, wait_readable
@@ -146,7 +146,12 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
         plugin.release_identity(uid)
         raise
     try:
-        pid = json.loads(recv_msg(sock))["pid"]
+        try:
+            pid = json.loads(recv_msg(sock))["pid"]
+        except (EOFError, OSError, ValueError, KeyError):
+            raise DaskGPUError(f"run {ticket.run}: the zygote of tenant {ticket.tenant or '(none)'} on worker "
+                                    f"{worker.address} ended before it started the body (isolation: "
+                                    f"{plugin.isolation.mode if plugin.isolation else '?'}); see the worker's log") from None
         with hold_devices(request, body.devices) as lease:
             plugin.renew([key], ticket.lease_seconds)
             worker.log_event(PLACED_TOPIC, {"ticket": ticket.id, "member": body.member, "key": key,

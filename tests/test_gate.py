@@ -78,3 +78,35 @@ def test_a_workers_stream_carries_only_its_own_worker_messages():
     assert not check({"op": "task-finished", "key": "k", "worker": "tls://w2:2"})  # another worker's result
     assert not check({"op": "log-event", "topic": "all", "msg": {"action": "remove-worker"}})
     assert not check({"op": "log-event", "topic": ["x", "tls://w2:2"], "msg": {}})
+
+
+def test_a_registered_workers_stream_cannot_submit_tasks_or_forge_events(tmp_path, caplog):
+    """A worker (or a body holding its certificate) registered at the scheduler sends a client's `update-graph` and
+    a `remove-worker` event on its stream: the scheduler drops both, says so, and keeps the worker."""
+    import logging
+
+    from distributed import Scheduler, Worker
+
+    tls = ClusterTLS.create(tmp_path / "tls")
+    caplog.set_level(logging.WARNING, logger="distributed.dask_gpu.gate")
+
+    async def main() -> list[str]:
+        async with Scheduler(protocol="tls", security=tls.security("scheduler"), dashboard_address=":0",
+                             host="127.0.0.1", preload=["dask_gpu.scheduler_preload"]) as s:
+            async with Worker(s.address, security=tls.security("cluster"), host="127.0.0.1") as w:
+                w.batched_stream.send({"op": "update-graph", "graph_header": {}, "graph_frames": [],
+                                       "keys": ["owned"], "span_metadata": {}})
+                w.batched_stream.send({"op": "log-event", "topic": "all",
+                                       "msg": {"action": "remove-worker", "worker": w.address}})
+                w.batched_stream.send({"op": "keep-alive"})
+                for _ in range(200):
+                    dropped = [r.getMessage() for r in caplog.records if "drops" in r.getMessage()]
+                    if len(dropped) >= 2:
+                        break
+                    await asyncio.sleep(0.02)
+                assert w.address in s.workers and "owned" not in s.tasks
+                return dropped
+
+    dropped = asyncio.run(main())
+    assert any("'update-graph'" in m and "not a message this stream carries" in m for m in dropped), dropped
+    assert any("topic 'all'" in m for m in dropped), dropped
