@@ -150,8 +150,8 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
             pid = json.loads(recv_msg(sock))["pid"]
         except (EOFError, OSError, ValueError, KeyError):
             raise DaskGPUError(f"run {ticket.run}: the zygote of tenant {ticket.tenant or '(none)'} on worker "
-                                    f"{worker.address} ended before it started the body (isolation: "
-                                    f"{plugin.isolation.mode if plugin.isolation else '?'}); see the worker's log") from None
+                               f"{worker.address} ended before it started the body (isolation: "
+                               f"{plugin.isolation.mode if plugin.isolation else '?'}); see the worker's log") from None
         with hold_devices(request, body.devices) as lease:
             plugin.renew([key], ticket.lease_seconds)
             worker.log_event(PLACED_TOPIC, {"ticket": ticket.id, "member": body.member, "key": key,
