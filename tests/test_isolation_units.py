@@ -100,3 +100,14 @@ def test_an_isolated_zygote_imports_as_root_only_installed_packages_and_the_work
     assert installed("json") and installed("cloudpickle") and installed("dask_gpu.sandbox")
     assert not installed("tests.test_isolation_units")  # a flow's own module: its body imports it, unprivileged
     assert not installed("no_such_module_anywhere")
+
+
+def test_auto_does_not_pick_a_sandbox_this_host_cannot_make(tmp_path):
+    """A root worker in a container that forbids namespaces: bwrap is there but fails, so `auto` runs unisolated."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    plan = plan_for(IsolationSettings(bwrap=str(fake)))
+    assert plan.mode == "unisolated"
+    if os.geteuid() == 0:
+        assert "cannot make a sandbox on this host: bwrap: No permissions" in plan.why

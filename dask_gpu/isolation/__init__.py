@@ -19,6 +19,7 @@ environment) and `dask-gpu-worker`'s flags (`--isolation`, `--tenant`, `--body-u
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -96,8 +97,25 @@ def can_isolate(settings: IsolationSettings) -> str | None:
     """Why this process cannot isolate bodies (None: it can)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the worker does not run as root, so it cannot give bodies identities of their own"
-    if not (os.path.isfile(settings.bwrap) and os.access(settings.bwrap, os.X_OK)) and not shutil.which(settings.bwrap):
+    bwrap = settings.bwrap if os.path.isfile(settings.bwrap) else shutil.which(settings.bwrap)
+    if not bwrap or not os.access(bwrap, os.X_OK):
         return f"bubblewrap is not installed at {settings.bwrap} (Debian: apt-get install bubblewrap)"
+    return _sandbox_works(bwrap)
+
+
+@functools.lru_cache(maxsize=4)
+def _sandbox_works(bwrap: str) -> str | None:
+    """Whether bwrap can make namespaces here (a container without CAP_SYS_ADMIN, or a seccomp filter, may forbid
+    them): one tiny sandbox at start, so `auto` never picks a mode every body would then fail in."""
+    import subprocess
+
+    try:
+        out = subprocess.run([bwrap, "--unshare-pid", "--unshare-ipc", "--ro-bind", "/", "/", "--proc", "/proc",
+                              "--dev", "/dev", "--tmpfs", "/tmp", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap at {bwrap} could not start a sandbox ({exc})"
+    if out.returncode != 0:
+        return f"bubblewrap at {bwrap} cannot make a sandbox on this host: {out.stderr.strip()[-200:]}"
     return None
 
 
