@@ -8,8 +8,13 @@ discovers the devices through NVML, starts a LocalGPUCluster on them, and runs
 tasks (1 GPU each, all GPUs at once, two half-GPU tasks) whose subprocess asks
 the CUDA driver (libcuda, through ctypes: no torch needed) which devices it
 can see. Each row passes when the subprocess sees exactly the devices the task
-was given. Prints a pass/fail table and exits 1 on any failure, 2 when NVML
-finds no GPU.
+was given. Then, run as root with bubblewrap (how a GPU host's worker runs), it
+checks the isolation of dask_gpu.isolation on the real devices: one isolated
+body per GPU (its own UID, namespaces, and only its own /dev/nvidiaN node),
+whose CUDA driver must see its own GPU with CUDA_VISIBLE_DEVICES set, at most
+that one with CUDA_VISIBLE_DEVICES removed (ConstrainDevices), and which
+cannot open any other GPU's node. Prints a pass/fail table and exits 1 on any
+failure, 2 when NVML finds no GPU.
 """
 
 from __future__ import annotations
@@ -50,6 +55,84 @@ def probe(_: int) -> dict:
             "seen": seen, "error": out.stderr.strip()[-300:] if out.returncode else ""}
 
 
+def isolated_probe(own: int, others: list[int]) -> dict:
+    """In an isolated body: what the CUDA driver sees with and without CUDA_VISIBLE_DEVICES, and which GPU nodes open."""
+    import os
+    import subprocess
+
+    def cuda(env: dict) -> list | str:
+        out = subprocess.run([sys.executable, "-c", CUDA_PROBE], capture_output=True, text=True, timeout=120, env=env)
+        return json.loads(out.stdout) if out.returncode == 0 else f"error: {out.stderr.strip()[-200:]}"
+
+    bare = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    opened = []
+    for j in others:
+        try:
+            os.close(os.open(f"/dev/nvidia{j}", os.O_RDWR))
+            opened.append(j)
+        except OSError:
+            pass
+    return {"uid": os.getuid(), "with": cuda(dict(os.environ)), "without": cuda(bare), "opened_others": opened,
+            "nodes": sorted(d for d in os.listdir("/dev") if d.startswith("nvidia"))}
+
+
+def isolated_check(inventory) -> int:
+    """One isolated body per GPU, through a tenant zygote in the worker's sandbox (as dask_gpu.plugin builds it)."""
+    import os
+    import tempfile
+
+    import cloudpickle
+
+    from dask_gpu.child import code_digest
+    from dask_gpu.isolation import IsolationSettings, can_isolate, devices, filesystem
+    from dask_gpu.zygote import Zygote, recv_msg, send_msg
+
+    why = can_isolate(IsolationSettings())
+    if why:
+        print(f"\nisolation: not checked ({why})")
+        return 0
+    if __name__ != "__main__":  # imported: send the probe by value, as a script's functions are
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    whole = [d for d in inventory.devices if d.mig is None]
+    indices = [d.index for d in whole]
+    bodies = tempfile.mkdtemp(prefix="gpu-check-bodies-")
+    os.chmod(bodies, 0o711)
+    zygote = Zygote(tenant="gpu-check", sandbox=filesystem.sandbox_argv(
+        "/usr/bin/bwrap", read_only=filesystem.code_paths(sys.path), hide=[], bodies_dir=bodies,
+        devices=devices.sandbox_nodes("/dev", indices)))
+    failures = 0
+    print(f"\n{'isolated body':<16} {'uid':<7} {'nodes':<28} {'cuda (CVD set)':<16} {'cuda (CVD unset)':<17} result")
+    try:
+        for n, d in enumerate(whole):
+            others = [i for i in indices if i != d.index]
+            payload = cloudpickle.dumps(isolated_probe) + cloudpickle.dumps(((d.index, others), {}))
+            sock = zygote.connect(["cloudpickle"], {"uid": 20000 + n, "workdir": f"check-{n}"})
+            json.loads(recv_msg(sock))
+            send_msg(sock, json.dumps({"env": gpu_env_for(d), "code_digest": code_digest(isolated_probe),
+                                       "devices": [d.model_dump()]}).encode())
+            send_msg(sock, payload)
+            meta, blob = json.loads(recv_msg(sock)), recv_msg(sock)
+            sock.close()
+            if not meta.get("ok"):
+                failures += 1
+                print(f"GPU {d.index:<12} FAIL {meta.get('error_message')}")
+                continue
+            r = cloudpickle.loads(blob)
+            ok = (r["with"] == [d.uuid] and isinstance(r["without"], list) and r["without"] in ([], [d.uuid])
+                  and not r["opened_others"] and r["uid"] == 20000 + n)
+            failures += not ok
+            print(f"GPU {d.index:<12} {r['uid']:<7} {','.join(r['nodes']):<28} {str(len(r['with'])):<16} "
+                  f"{str(r['without'] if isinstance(r['without'], str) else len(r['without'])):<17} "
+                  f"{'PASS' if ok else 'FAIL ' + str(r)}")
+    finally:
+        zygote.close()
+    return failures
+
+
+def gpu_env_for(device) -> dict:
+    return dask_gpu.gpu_env([device], base={})
+
+
 def main() -> int:
     inventory = nvml_inventory()
     if inventory is None:
@@ -79,6 +162,7 @@ def main() -> int:
     print(f"\n{'case':<18} {'devices':<10} {'CUDA_VISIBLE_DEVICES':<22} {'cuda sees':<10} result")
     for row in rows:
         print(f"{row[0]:<18} {row[1]:<10} {row[2]:<22} {row[3]:<10} {row[4]}")
+    failures += isolated_check(inventory)
     return 1 if failures else 0
 
 

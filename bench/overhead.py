@@ -7,7 +7,11 @@ workers in their own processes, as a shared cluster runs). AISched's tasks are
 its own process, the cluster's only client) that admits it (feasibility,
 pricing, grant chain, budget hold + evidence), hands it to Dask with a signed
 ticket, runs the body in its own process on the worker, and settles it.
-Also times one 100 MB result's round trip on each path.
+Also times one 100 MB result's round trip on each path, and what isolating a
+body costs (dask_gpu.isolation): the same trivial body started by a tenant's
+zygote as the worker's user and, where the bench runs as root with
+bubblewrap, under a UID and namespaces of its own (`--isolation-only` runs just
+that row, in seconds).
 
     make bench            # or: .venv/bin/python bench/overhead.py --tasks 200 1000
 """
@@ -103,6 +107,64 @@ def timed(f, arg, repeats: int) -> float:
     return best
 
 
+def _trivial_body() -> int:
+    return 1
+
+
+def body_starts(n: int) -> dict[str, float]:
+    """Seconds per body, zygote handed the body to result back, unisolated and (root + bwrap) isolated."""
+    import json
+
+    import cloudpickle
+
+    from dask_gpu.child import code_digest
+    from dask_gpu.isolation import IsolationSettings, can_isolate, devices, filesystem
+    from dask_gpu.zygote import Zygote, recv_msg, send_msg
+
+    payload = cloudpickle.dumps(_trivial_body) + cloudpickle.dumps(((), {}))
+    header = json.dumps({"env": {}, "code_digest": code_digest(_trivial_body), "devices": []}).encode()
+    kinds: dict[str, Zygote] = {"unisolated": Zygote(tenant="bench")}
+    if can_isolate(IsolationSettings()) is None:
+        bodies = tempfile.mkdtemp(prefix="bench-bodies-")
+        os.chmod(bodies, 0o711)
+        kinds["isolated"] = Zygote(tenant="bench", sandbox=filesystem.sandbox_argv(
+            "/usr/bin/bwrap", read_only=filesystem.code_paths(sys.path), hide=[], bodies_dir=bodies,
+            devices=devices.sandbox_nodes("/dev", [])))
+    out: dict[str, float] = {}
+    for kind, zygote in kinds.items():
+        def once(i: int) -> None:
+            run = {"uid": 20000 + i % 1000, "workdir": f"b{i}"} if kind == "isolated" else {}
+            sock = zygote.connect(["cloudpickle"], run)
+            json.loads(recv_msg(sock))
+            send_msg(sock, header)
+            send_msg(sock, payload)
+            meta = json.loads(recv_msg(sock))
+            recv_msg(sock)
+            sock.close()
+            assert meta["ok"], meta
+        for i in range(3):  # warm: the zygote started, its imports done
+            once(i)
+        t0 = time.perf_counter()
+        for i in range(n):
+            once(i)
+        out[kind] = (time.perf_counter() - t0) / n
+        zygote.close()
+    return out
+
+
+def print_body_starts(n: int) -> None:
+    costs = body_starts(n)
+    print(f"one body's start to its result, {n} bodies one after another (a tenant's warm zygote, no Dask):")
+    for kind, seconds in costs.items():
+        print(f"  {kind:30s} {1000 * seconds:7.2f} ms/body")
+    if "isolated" in costs:
+        extra = costs["isolated"] - costs["unisolated"]
+        print(f"  isolation adds {1000 * extra:.2f} ms per body (isolated / unisolated = "
+              f"{costs['isolated'] / costs['unisolated']:.2f}; target: milliseconds, not seconds)")
+    else:
+        print("  isolated: not measured (needs root and /usr/bin/bwrap)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, nargs="+", default=[200, 1000])
@@ -110,7 +172,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--gpus-per-worker", default="4 GPUs, 80 GB, H100")
     parser.add_argument("--skip-dask", action="store_true", help="leave prefect-dask out (it takes minutes at 1000)")
+    parser.add_argument("--bodies", type=int, default=100, help="bodies for the isolation row")
+    parser.add_argument("--isolation-only", action="store_true", help="only the isolation row")
     args = parser.parse_args()
+    if args.isolation_only:
+        print_body_starts(args.bodies)
+        return
     logging.getLogger("distributed").setLevel(logging.ERROR)
     home = Path(tempfile.mkdtemp())
     key = TicketSigner(load_or_make_key(home / "control.key")).public_key.hex()
@@ -169,6 +236,7 @@ def main() -> None:
         print(f"  {name:30s} {seconds:8.2f} s")
     print(f"  AISched / prefect-dask = {transfer['AISchedTaskRunner'] / transfer['prefect-dask DaskTaskRunner']:.2f}")
     print(f"  evidence records written: {records} (chain verified)")
+    print_body_starts(args.bodies)
 
 
 if __name__ == "__main__":

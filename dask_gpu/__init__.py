@@ -43,6 +43,7 @@ from dask_gpu.inventory import (
     parse_declared,
 )
 from dask_gpu.gang import Rendezvous, rendezvous, torchrun_args
+from dask_gpu.isolation import IsolationError, IsolationPlan, IsolationSettings, TenantRefused
 from dask_gpu.live import DeviceState
 from dask_gpu.request import GPURequest, eligible_workers, worker_restriction
 
@@ -58,6 +59,10 @@ __all__ = [
     "GPURequest",
     "InfeasibleRequest",
     "InventorySpecError",
+    "IsolationError",
+    "IsolationPlan",
+    "IsolationSettings",
+    "TenantRefused",
     "LocalGPUCluster",
     "NotOnGPUWorker",
     "StopRequested",

@@ -2,7 +2,10 @@
 
 The worker never unpickles a body or its result: bytes in, bytes out. The
 child checks that the function it unpickled is the code the ticket was issued
-for (`code_digest`), so a body cannot be swapped after admission.
+for (`code_digest`), so a body cannot be swapped after admission. On an
+isolated worker (`run_isolated`) the body's process first gets its own PID and
+mount namespaces, working directory, /tmp and GPU nodes, drops to its own UID
+and gets an environment of its own, all before it unpickles a byte.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import io
 import json
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -167,26 +171,45 @@ class _Capture:
         logging.Logger.callHandlers = call_handlers  # type: ignore[method-assign]
 
 
-def _watch_worker(pid: int) -> None:
-    """A body never outlives its worker."""
+def _watch_worker(conn: socket.socket) -> None:
+    """A body never outlives its worker: the worker sends nothing after the body, so its socket turns readable
+    only when the worker's end closed (the worker died; it closes only after reading the result)."""
     while True:
-        time.sleep(0.5)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            os._exit(70)
-        except PermissionError:
-            pass
+        ready, _, _ = select.select([conn], [], [], 0.5)
+        if ready:
+            try:
+                if conn.recv(1, socket.MSG_PEEK) == b"":
+                    os._exit(70)
+            except OSError:
+                os._exit(70)
+            time.sleep(0.5)
 
 
-def child_main(conn: socket.socket, worker_pid: int) -> int:
+def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, imports: list[str] = ()) -> int:
+    """Run one body. `setup(header)` runs once the body's bytes arrived and before any is unpickled (isolation);
+    `imports`: modules its zygote left to it (a flow's own, on an isolated worker), imported once its env is set."""
     import cloudpickle
 
-    send_msg(conn, json.dumps({"pid": os.getpid()}).encode())
+    if announce:
+        send_msg(conn, json.dumps({"pid": os.getpid()}).encode())
     header = json.loads(recv_msg(conn))
     payload = recv_msg(conn)
-    threading.Thread(target=_watch_worker, args=(worker_pid,), daemon=True).start()
+    if setup is not None:
+        try:
+            setup(header)
+        except BaseException as exc:  # noqa: BLE001 - the worker reports it as this body's error
+            out = {"ok": False, "error_type": "dask_gpu.isolation.IsolationError", "error_text": traceback.format_exc(),
+                   "error_message": f"the body's process could not be isolated: {type(exc).__name__}: {exc}"}
+            send_msg(conn, json.dumps(out).encode())
+            send_msg(conn, b"")
+            return 1
+    threading.Thread(target=_watch_worker, args=(conn,), daemon=True).start()
     os.environ.update(header.get("env", {}))
+    for name in imports:
+        try:
+            __import__(name)
+        except BaseException:  # noqa: BLE001 - the body reports it when it unpickles
+            pass
     from dask_gpu.execute import _current_devices
     from dask_gpu.inventory import GPUDevice
 
@@ -223,4 +246,50 @@ def child_main(conn: socket.socket, worker_pid: int) -> int:
         send_msg(conn, blob)
     except OSError:
         return 1
+    return 0
+
+
+def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], plan: dict[str, Any]) -> int:
+    """In the zygote's fresh child (root, inside the tenant's sandbox): give the body a PID namespace of its own.
+
+    This process makes the body's working directory, forks the body as PID 1 of a new PID namespace, tells the
+    worker the body's pid (as the worker sees it), waits for it and removes its working directory. The body sets
+    up its mounts, drops to its UID, clears its environment and imports the flow's own modules (`late`), then
+    runs as any body does.
+    """
+    import shutil
+    import sys
+
+    from dask_gpu.isolation import filesystem, identity
+
+    uid = int(header["uid"])
+    workdir = os.path.join(filesystem.BODIES, str(header["workdir"]))
+    os.mkdir(workdir, 0o700)
+    os.chown(workdir, uid, uid)
+    filesystem.unshare(filesystem.CLONE_NEWPID)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+
+            def setup(run: dict[str, Any]) -> None:
+                filesystem.enter_run(uid, uid, workdir, [int(d["index"]) for d in run.get("devices", [])])
+                identity.drop_to(uid, uid)
+                os.chdir(filesystem.HOME)
+                os.closerange(3, conn.fileno())
+                os.closerange(conn.fileno() + 1, 1 << 16)
+                os.environ.clear()
+                os.environ.update(filesystem.body_env({}, sys.path))
+
+            code = child_main(conn, setup=setup, announce=False, imports=late)
+        finally:
+            os._exit(code)
+    send_msg(conn, json.dumps({"pid": pid}).encode())
+    conn.close()
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+    shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -16,6 +16,7 @@ from dask_gpu.security import ClusterTLS
 from dask_gpu.tickets import TRUSTED_KEYS_ENV
 
 PRELOAD = "dask_gpu.preload"
+NANNY_PRELOAD = "dask_gpu.nanny_preload"
 SCHEDULER_PRELOAD = "dask_gpu.scheduler_preload"
 
 
@@ -31,6 +32,11 @@ class LocalGPUCluster(SpecCluster):
     With `tls` (a `ClusterTLS`), scheduler and workers speak only mutual TLS:
     a client without the CA's client certificate cannot connect. Each worker
     trusts the `trusted_keys` for tickets (fixed here, at start).
+    `isolation` is the workers' mode (dask_gpu.isolation): by default the
+    dask config's `dask-gpu.isolation.mode`, else `shared`, since a local
+    cluster is one user's host (the embedded control plane, `make demo`), whose
+    bodies share its files; `"auto"` isolates bodies where the workers run as
+    root with bubblewrap, as `dask-gpu-worker` does on a GPU host.
     """
 
     def __init__(
@@ -42,8 +48,16 @@ class LocalGPUCluster(SpecCluster):
         allowed_failures: int = 0,
         trusted_keys: list[str] | None = None,
         tls: ClusterTLS | None = None,
+        isolation: str | None = None,
         **kwargs: Any,
     ) -> None:
+        import dask
+
+        from dask_gpu.isolation import CONFIG_KEY, MODES
+
+        mode = isolation or dask.config.get(f"{CONFIG_KEY}.mode", default=None) or "shared"
+        if mode not in MODES:
+            raise ValueError(f"LocalGPUCluster(isolation={mode!r}): expected one of {', '.join(MODES)}")
         security = tls.security("cluster") if tls is not None else None
         protocol = {"protocol": "tls", "security": security} if security is not None else {}
         spec = declared if declared is not None else os.environ.get(DECLARED_ENV)
@@ -67,6 +81,8 @@ class LocalGPUCluster(SpecCluster):
                     "nthreads": threads_per_worker or max(4, 4 * gpus + 2),
                     "host": host,
                     "preload": [PRELOAD],
+                    "preload_nanny": [NANNY_PRELOAD],
+                    "config": {"dask-gpu": {"isolation": {"mode": mode}}},  # the worker process reads it
                     "env": env,
                     "silence_logs": silence_logs,
                     "dashboard": False,
@@ -121,6 +137,8 @@ class WorkerView(BaseModel):
     inventory: WorkerInventory
     held: dict[str, list[str]]  # Dask key of a running task -> keys of the devices it holds
     usage: dict[str, tuple[float, float]]  # device key -> (share in use, GB reserved)
+    isolation: str = ""  # "isolated", "unisolated" or "shared" (dask_gpu.isolation); "": an older worker
+    isolation_detail: str = ""  # the worker's one line about it, as it logged at start
 
     def free(self) -> dict[str, float]:
         """Device key -> share of it still free."""
@@ -133,7 +151,8 @@ def cluster_view(client: Client) -> list[WorkerView]:
     for address, answer in client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"}, on_error="ignore").items():
         if isinstance(answer, dict) and "inventory" in answer:
             out.append(WorkerView(name=answer["name"] or address, address=address, inventory=answer["inventory"],
-                                  held=answer["held"], usage=answer["usage"]))
+                                  held=answer["held"], usage=answer["usage"], isolation=answer.get("isolation", ""),
+                                  isolation_detail=answer.get("isolation_detail", "")))
     return sorted(out, key=lambda w: w.name)
 
 

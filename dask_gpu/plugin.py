@@ -1,16 +1,20 @@
-"""The worker plugin that owns a worker's inventory, its device allocator, its trusted keys and its zygote."""
+"""The worker plugin that owns a worker's inventory, its device allocator, its trusted keys, its isolation mode and
+its tenants' zygotes."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from typing import TYPE_CHECKING
+import uuid
+from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_gpu.allocator import DeviceAllocator
 from dask_gpu.inventory import WorkerInventory
+from dask_gpu.isolation import IsolationPlan, TenantGate, plan_for
 from dask_gpu.live import DeviceState, sample
 from dask_gpu.zygote import Zygote
 
@@ -27,11 +31,17 @@ class GPUWorkerPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self, inventory: WorkerInventory, trusted_keys: dict[str, bytes] | None = None) -> None:
+    def __init__(self, inventory: WorkerInventory, trusted_keys: dict[str, bytes] | None = None,
+                 isolation: IsolationPlan | None = None) -> None:
         self.inventory = inventory
         self.trusted_keys = dict(trusted_keys or {})
         self.allocator = DeviceAllocator(inventory.devices, live=self.sample)
-        self.zygote = Zygote()
+        self.isolation = isolation  # decided at setup (dask.config `dask-gpu.isolation`) unless given
+        self.tenants: TenantGate | None = None
+        self._zygotes: dict[str, Zygote] = {}
+        self._zygotes_lock = threading.Lock()
+        self._sandbox: list[str] | None = None
+        self._uids: Any = None
         self.worker_name = ""
         self._stops: dict[str, threading.Event] = {}
         self._started: dict[str, float] = {}  # key -> monotonic time it got its devices
@@ -89,10 +99,62 @@ class GPUWorkerPlugin(WorkerPlugin):
         """Live per-device utilisation and memory (NVML), or None for declared devices."""
         return sample(self.inventory)
 
+    def zygote_for(self, tenant: str) -> Zygote:
+        """The zygote of `tenant`'s bodies on this worker: one per tenant, so nothing of one reaches another's."""
+        with self._zygotes_lock:
+            zygote = self._zygotes.get(tenant)
+            if zygote is None:
+                zygote = self._zygotes[tenant] = Zygote(tenant=tenant, sandbox=self._sandbox)
+            return zygote
+
+    def run_identity(self) -> tuple[dict[str, Any], int | None]:
+        """What an isolated body's process needs (its UID, leased here, and its working directory's name)."""
+        if self._uids is None:
+            return {}, None
+        uid = self._uids.lease()
+        return {"uid": uid, "workdir": f"{uid}-{uuid.uuid4().hex[:12]}"}, uid
+
+    def release_identity(self, uid: int | None) -> None:
+        if uid is not None and self._uids is not None:
+            self._uids.release(uid)
+
+    def _isolate(self, worker: Worker) -> None:
+        """Decide the mode; on an isolated worker, the sandbox every tenant's zygote runs in."""
+        import sys
+
+        from dask_gpu.isolation import devices, filesystem, identity
+
+        plan = self.isolation = self.isolation or plan_for()
+        self.tenants = TenantGate(plan)
+        if plan.mode != "isolated":
+            return
+        settings = plan.settings
+        local = str(getattr(worker, "local_directory", "") or "")
+        bodies = settings.bodies_dir or os.path.join(local or "/var/lib/dask-gpu", "bodies")
+        os.makedirs(bodies, mode=0o711, exist_ok=True)
+        os.chmod(bodies, 0o711)
+        scratch = [local, os.path.dirname(local)] if local else []  # Dask puts these on sys.path: never bound
+        security = getattr(worker, "security", None)
+        fields = [f"tls_{who}_{what}" for who in ("worker", "client", "scheduler") for what in ("cert", "key")]
+        found = [getattr(security, f, None) for f in ("tls_ca_file", *fields)] if security is not None else []
+        secrets = {v for v in found if isinstance(v, str) and os.path.isfile(v)}
+        for path in list(secrets):  # the whole TLS folder: on one host it may hold the control plane's key too
+            folder = os.path.dirname(path)
+            secrets.update(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".key", ".pem")))
+        self._sandbox = filesystem.sandbox_argv(
+            settings.bwrap, read_only=filesystem.code_paths(filesystem.without(sys.path, scratch), settings.extra_paths),
+            hide=[local, *secrets], devices=devices.sandbox_nodes(settings.device_nodes,
+                                                                 [d.index for d in self.inventory.devices]),
+            bodies_dir=bodies)
+        self._uids = identity.UidPool(*settings.body_uids)
+
     def setup(self, worker: Worker) -> None:
         self.worker_address = worker.address
         self.worker_name = str(worker.name)
         self._worker = worker
+        self._isolate(worker)
+        assert self.isolation is not None
+        logger.info("GPU worker %s isolation: %s", worker.name, self.isolation.describe())
         # The control plane reaches workers through the scheduler's broadcast: no out-of-band code, no log line per call.
         worker.handlers["gpu_stop"] = self._handle_stop
         worker.handlers["gpu_renew"] = self._handle_renew
@@ -106,7 +168,10 @@ class GPUWorkerPlugin(WorkerPlugin):
                            "with --trust-key KEY (the key `aisched serve` prints) or DASK_GPU_TRUSTED_KEYS", worker.name)
 
     def teardown(self, worker: Worker) -> None:
-        self.zygote.close()
+        with self._zygotes_lock:
+            zygotes, self._zygotes = list(self._zygotes.values()), {}
+        for zygote in zygotes:
+            zygote.close()
 
     def _handle_stop(self, keys: list[str]) -> list[str]:
         for key in keys:
@@ -120,5 +185,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         return self.running_for(keys)
 
     def _handle_inventory(self) -> dict:
+        plan = self.isolation
         return {"name": self.worker_name, "inventory": self.inventory.model_dump(mode="json"),
-                "held": self.allocator.holders(), "usage": self.allocator.usage()}
+                "held": self.allocator.holders(), "usage": self.allocator.usage(),
+                "isolation": plan.mode if plan else "", "isolation_detail": plan.describe() if plan else ""}

@@ -3,7 +3,11 @@
 It discovers this worker's GPUs (the inventory declared in DASK_GPU_DECLARED,
 else NVML), advertises them as worker resources before the worker registers
 with the scheduler, reads the control-plane keys it will trust
-(DASK_GPU_TRUSTED_KEYS), and installs the device-assigning plugin.
+(DASK_GPU_TRUSTED_KEYS), and installs the device-assigning plugin, which
+decides the worker's tenant boundary (dask_gpu.isolation: isolated when the
+worker runs as root with bubblewrap) and logs it once. On TLS it installs the
+default-deny gate (dask_gpu.gate); the nanny gets its own from
+dask_gpu.nanny_preload.
 LocalGPUCluster starts its workers with this same preload.
 """
 

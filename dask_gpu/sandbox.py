@@ -10,7 +10,9 @@
    no round trip), so a worker's death names the devices it took with it,
 4. for a gang, meets the other members at the registry once each holds its devices, and learns
    where member 0 listens (the rendezvous environment: dask_gpu.gang),
-5. runs the body in a fresh process (the zygote's child) with `CUDA_VISIBLE_DEVICES` set,
+5. runs the body in a fresh process (its tenant's zygote's child) with `CUDA_VISIBLE_DEVICES` set; on an
+   isolated worker under a UID of its own, in namespaces of its own (dask_gpu.isolation); a worker that
+   does not isolate refuses, before redeeming, a ticket of a tenant it does not serve,
 6. kills that process (and what it started) when asked to stop, or when its lease is not
    renewed in time (the control plane is gone: fail closed), and says why.
 
@@ -33,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from dask_gpu.child import WORKER_ENV
 from dask_gpu.execute import DeviceRun, gpu_env, hold_devices
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
-from dask_gpu.errors import DeviceUnavailable
+from dask_gpu.errors import DaskGPUError, DeviceUnavailable
 from dask_gpu.gang import free_port, members_env
 from dask_gpu.tickets import MEET_OP, PLACED_TOPIC, REDEEM_OP, Ticket, TicketRejected, digest, verify_signature
 from dask_gpu.zygote import kill_group, recv_msg, send_msg, wait_readable
@@ -129,15 +131,27 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
     assert ticket is not None
     if digest(body.payload) != ticket.payload_digest:
         raise TicketRejected(f"ticket for run {ticket.run} was issued for other bytes than these: altered")
+    if plugin.tenants is not None:  # a worker that does not isolate serves one tenant; refused before it is redeemed
+        plugin.tenants.admit(ticket.tenant, ticket.run)
     key = str(getattr(thread_state, "key", None) or ticket.id)
     _redeem(worker, ticket, body.member, key)
     request = ticket.member_request(body.member)
     _secede()
     # The child is forked (after its modules are imported, once per worker) before devices are held, so
     # neither the wait for devices nor the first import counts as the body's GPU time.
-    sock = plugin.zygote.connect(body.modules)
+    identity, uid = plugin.run_identity()
     try:
-        pid = json.loads(recv_msg(sock))["pid"]
+        sock = plugin.zygote_for(ticket.tenant).connect(body.modules, identity)
+    except BaseException:
+        plugin.release_identity(uid)
+        raise
+    try:
+        try:
+            pid = json.loads(recv_msg(sock))["pid"]
+        except (EOFError, OSError, ValueError, KeyError):
+            raise DaskGPUError(f"run {ticket.run}: the zygote of tenant {ticket.tenant or '(none)'} on worker "
+                               f"{worker.address} ended before it started the body (isolation: "
+                               f"{plugin.isolation.mode if plugin.isolation else '?'}); see the worker's log") from None
         with hold_devices(request, body.devices) as lease:
             plugin.renew([key], ticket.lease_seconds)
             worker.log_event(PLACED_TOPIC, {"ticket": ticket.id, "member": body.member, "key": key,
@@ -155,6 +169,8 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
     except BaseException:
         sock.close()
         raise
+    finally:
+        plugin.release_identity(uid)
     sock.close()
     return Outcome(run=lease.run(), member=body.member, **result)
 

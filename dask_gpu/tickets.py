@@ -64,6 +64,7 @@ class Ticket(BaseModel):
     lease_seconds: float = 300.0
     hosts: int = 1
     shares: tuple[int, ...] = ()  # a gang: the GPUs each member holds on its worker (member i: shares[i])
+    tenant: str = ""  # whose body this is: each tenant's bodies fork from a zygote of its own (old tickets: "")
     signature: str = ""
 
     def member_request(self, member: int) -> GPURequest:
@@ -105,11 +106,11 @@ class TicketSigner:
 
     def issue(self, *, run: str, payload_digest: str, code_digest: str, request: GPURequest,
               ttl_seconds: float = 600.0, lease_seconds: float = 300.0, hosts: int = 1,
-              shares: tuple[int, ...] | list[int] = ()) -> Ticket:
+              shares: tuple[int, ...] | list[int] = (), tenant: str = "") -> Ticket:
         now = time.time()
         unsigned = Ticket(key_id=self.key_id, run=run, payload_digest=payload_digest, code_digest=code_digest,
                           request=request, issued_at=now, expires_at=now + ttl_seconds, lease_seconds=lease_seconds,
-                          hosts=hosts, shares=tuple(shares))
+                          hosts=hosts, shares=tuple(shares), tenant=tenant)
         return unsigned.model_copy(update={"signature": self.sign(unsigned.body())})
 
 

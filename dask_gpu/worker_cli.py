@@ -7,8 +7,16 @@
 `--trust-key` (repeatable; DASK_GPU_TRUSTED_KEYS) is the control plane's public
 key, as `aisched serve` prints it: the worker runs only bodies whose ticket it
 signed. `--tls-dir` is a directory with the cluster's `ca.pem`, `cluster.pem`
-and `cluster.key` (what `dask-gpu-scheduler --tls-dir` writes). Every other
-option is `dask worker`'s own.
+and `cluster.key` (what `dask-gpu-scheduler --tls-dir` writes).
+
+The tenant boundary (dask_gpu.isolation; dask config `dask-gpu.isolation.*`):
+
+    --isolation auto|isolated|unisolated|shared   auto (default): isolated when run as root with bubblewrap
+    --body-uids 20000-20999                        the UIDs bodies run under (isolated)
+    --tenant NAME                                  serve this tenant's bodies only
+    --device-nodes DIR                             where this host's nvidia* device nodes are (default /dev)
+
+Every other option is `dask worker`'s own.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dask_gpu.inventory import DECLARED_ENV, discover
 from dask_gpu.tickets import TRUSTED_KEYS_ENV, TicketRejected, parse_trusted_keys
 
 PRELOAD = "dask_gpu.preload"
+NANNY_PRELOAD = "dask_gpu.nanny_preload"  # the gate on the nanny too: its `run` executes code
 
 
 def take_option(args: list[str], name: str, prog: str, example: str, many: bool = False) -> list[str]:
@@ -54,6 +63,33 @@ def tls_files(directory: str, party: str, prog: str) -> dict[str, str]:
     return {k: str(v) for k, v in files.items()}
 
 
+ISOLATION_FLAGS = {"--isolation": ("mode", "isolated"), "--tenant": ("tenant", "team-a"),
+                   "--body-uids": ("body_uids", "20000-20999"), "--device-nodes": ("device_nodes", "/dev")}
+
+
+def isolation_options(args: list[str], prog: str) -> dict[str, str]:
+    """Take the isolation flags from `args`, check them, and set them for this process and its worker (a nanny's
+    worker is a process of its own: it reads them from the environment as dask config)."""
+    import dask
+
+    from dask_gpu.isolation import CONFIG_KEY, IsolationError, plan_for, settings_from_config
+
+    given: dict[str, str] = {}
+    for flag, (field, example) in ISOLATION_FLAGS.items():
+        values = take_option(args, flag, prog, example)
+        if values:
+            given[field] = values[0]
+    for field, value in given.items():
+        os.environ[f"DASK_DASK_GPU__ISOLATION__{field.upper()}"] = value
+    dask.config.set({f"{CONFIG_KEY}.{field.replace('_', '-')}": value for field, value in given.items()})
+    try:
+        plan = plan_for(settings_from_config())
+    except IsolationError as exc:
+        sys.exit(f"{prog}: {exc}")
+    print(f"{prog}: isolation: {plan.describe()}", file=sys.stderr, flush=True)
+    return given
+
+
 def main(argv: list[str] | None = None) -> None:
     prog = "dask-gpu-worker"
     args = list(sys.argv[1:] if argv is None else argv)
@@ -77,13 +113,14 @@ def main(argv: list[str] | None = None) -> None:
         except TicketRejected as exc:
             sys.exit(f"{prog}: --trust-key: {exc}")
         os.environ[TRUSTED_KEYS_ENV] = spec
+    isolation_options(args, prog)
     tls_dir = take_option(args, "--tls-dir", prog, "/etc/aisched/tls")
     if tls_dir:
         files = tls_files(tls_dir[0], "cluster", prog)
         args += ["--tls-ca-file", files["ca"], "--tls-cert", files["cert"], "--tls-key", files["key"]]
     from distributed.cli.dask_worker import main as dask_worker
 
-    dask_worker.main(args=[*args, "--preload", PRELOAD], prog_name=prog)
+    dask_worker.main(args=[*args, "--preload", PRELOAD, "--preload-nanny", NANNY_PRELOAD], prog_name=prog)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,4 @@
-"""A worker's zygote: one single-threaded process that forks a fresh process for every task body.
+"""A tenant's zygote: one single-threaded process that forks a fresh process for every task body.
 
 Why a zygote and not `fork()` in the worker: a Dask worker is multi-threaded
 (event loop, executor threads), and forking it can copy a lock held by another
@@ -7,13 +7,20 @@ starts, and a body that imports a Prefect flow module would pay that import
 (seconds) in every child. The zygote imports the modules a body names before it
 forks, once, so each later child starts warm in a few milliseconds.
 
-Each child is its own session (`setsid`), so stopping it kills every
-subprocess it started too; it exits when the worker that asked for it dies.
+Nothing one tenant's body does reaches another's: each tenant has a zygote of
+its own (the ticket names the tenant), so module-level code a body runs, or a
+module it asks for, stays in its tenant's zygote. The zygote has no socket
+path at all: the worker talks to it over a socket pair it inherited, and hands
+it one end of a fresh pair per body (SCM_RIGHTS), so no other process can
+connect to it, find it in /proc or write where it imports from. On an isolated
+worker (dask_gpu.isolation) the zygote runs inside a bubblewrap sandbox,
+imports only installed packages (a flow's own modules are imported by the body
+after it dropped to its own UID), and each body gets its own UID and
+namespaces.
 
-Trust: the zygote only ever imports modules a ticket-checked body named, but
-it serves every tenant of this worker, so module-level code of one admitted
-body is visible to later ones (as in a Dask worker's own process). Code inside
-an admitted body attacking its worker is out of scope (docs/security.md).
+Each child is its own session (`setsid`), so stopping it kills every
+subprocess it started too; it exits when the worker that asked for it dies
+(its socket to the worker closes).
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 from typing import Any
 
@@ -53,95 +59,150 @@ def recv_msg(sock: socket.socket) -> bytes:
     return recv_exact(sock, n)
 
 
-def _zygote_main(path: str, worker_pid: int, preload: list[str]) -> None:
+# The worker's own packages: imported by an isolated zygote even from outside site-packages (a checkout on PYTHONPATH).
+OWN_PACKAGES = frozenset({"dask_gpu", "aisched_prefect"})
+
+
+def installed(name: str) -> bool:
+    """Whether module `name` is the worker's own code or an installed package, which an isolated zygote may import
+    as root: a flow's own module (anything else) is imported by its body, after the body dropped its privileges.
+
+    >>> installed("json"), installed("dask_gpu.child"), installed("no_such_module_here")
+    (True, True, False)
+    """
+    import importlib.util
+    import sysconfig
+
+    top = name.split(".", 1)[0]
+    if top in OWN_PACKAGES or top in sys.builtin_module_names:
+        return True
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: finds, never runs, its code
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    if not origin or origin in ("built-in", "frozen"):
+        return spec is not None and origin in ("built-in", "frozen")
+    origin = os.path.realpath(origin)
+    roots = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return any(origin.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _zygote_main(control_fd: int, preload: list[str], plan: dict[str, Any]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in preload:
         importlib.import_module(name)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(256)
+    isolated = bool(plan.get("isolated"))
+    control = socket.socket(fileno=control_fd)
     imported: set[str] = set()
     while True:
-        ready, _, _ = select.select([server], [], [], 1.0)
-        if os.getppid() != worker_pid:  # the worker is gone: so is its zygote
-            os._exit(0)
-        if not ready:
-            continue
-        conn, _ = server.accept()
         try:
-            header = json.loads(recv_msg(conn))
-        except (EOFError, ValueError, OSError):
+            msg, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
+        except OSError:
+            os._exit(0)
+        if not msg:  # the worker is gone: so is its zygote
+            os._exit(0)
+        conns = [socket.socket(fileno=fd) for fd in fds]
+        if len(conns) != 1:
+            for c in conns:
+                c.close()
+            continue
+        conn = conns[0]
+        try:
+            header = json.loads(msg)
+        except ValueError:
             conn.close()
             continue
+        late: list[str] = []
         for name in header.get("modules", []):
-            if name not in imported and isinstance(name, str):
-                imported.add(name)
-                try:
-                    importlib.import_module(name)
-                except BaseException:  # the child reports the failure when it unpickles the body
-                    pass
+            if not isinstance(name, str) or name in imported:
+                continue
+            if isolated and not installed(name):
+                late.append(name)
+                continue
+            imported.add(name)
+            try:
+                importlib.import_module(name)
+            except BaseException:  # the child reports the failure when it unpickles the body
+                pass
         pid = os.fork()
         if pid == 0:
-            server.close()
+            control.close()
             os.setsid()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             code = 1
             try:
-                from dask_gpu.child import child_main
+                from dask_gpu.child import child_main, run_isolated
 
-                code = child_main(conn, worker_pid)
+                code = run_isolated(conn, header, late, plan) if isolated else child_main(conn)
             finally:
                 os._exit(code)
         conn.close()
 
 
 class Zygote:
-    """The worker's handle on its zygote process: started lazily, restarted if it died."""
+    """The worker's handle on one tenant's zygote process: started lazily, restarted if it died.
 
-    def __init__(self, preload: tuple[str, ...] = ("cloudpickle", "dask_gpu.child")) -> None:
+    `sandbox`: bwrap's arguments (an isolated worker), the zygote then runs inside that sandbox with an
+    environment of its own; None: it runs as the worker's user, with the worker's environment.
+    """
+
+    def __init__(self, preload: tuple[str, ...] = ("cloudpickle", "dask_gpu.child"), tenant: str = "",
+                 sandbox: list[str] | None = None, plan: dict[str, Any] | None = None) -> None:
         self.preload = list(preload)
+        self.tenant = tenant
+        self.sandbox = sandbox
+        self.plan = {"isolated": sandbox is not None, **(plan or {})}
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._proc: Any = None
-        self._dir = tempfile.mkdtemp(prefix="dask-gpu-zygote-")
-        self._gen = 0
-        self.path = ""
+        self._control: socket.socket | None = None
 
-    def _ensure(self) -> str:
+    def _ensure(self) -> socket.socket:
         with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
-                return self.path
+            if self._proc is not None and self._proc.poll() is None and self._control is not None:
+                return self._control
             import subprocess
 
-            self._gen += 1
-            self.path = os.path.join(self._dir, f"z{self._gen}.sock")
+            if self._control is not None:
+                self._control.close()
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             boot = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
                     "from dask_gpu.zygote import _zygote_main; "
-                    "_zygote_main(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))")
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", boot, json.dumps([p or os.getcwd() for p in sys.path]), self.path,
-                 str(os.getpid()), json.dumps(self.preload)], stdin=subprocess.DEVNULL, close_fds=True)
-            return self.path
+                    "_zygote_main(int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4]))")
+            cmd = [sys.executable, "-c", boot, json.dumps([p or os.getcwd() for p in sys.path]), str(theirs.fileno()),
+                   json.dumps(self.preload), json.dumps(self.plan)]
+            env = None
+            if self.sandbox is not None:
+                from dask_gpu.isolation.filesystem import PATH
 
-    def connect(self, modules: list[str], timeout: float = 60.0) -> socket.socket:
-        """A connection to a fresh child (forked after importing `modules`)."""
-        import time
+                cmd = [*self.sandbox, "--", *cmd]
+                env = {"PATH": PATH, "LANG": "C.UTF-8"}  # nothing of the worker's environment
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, pass_fds=[theirs.fileno()],
+                                          env=env)
+            theirs.close()
+            self._control = mine
+            return mine
 
-        path = self._ensure()
-        deadline = time.monotonic() + timeout
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def connect(self, modules: list[str], run: dict[str, Any] | None = None) -> socket.socket:
+        """A connection to a fresh child (forked after importing `modules`); `run`: what an isolated child needs."""
+        header = json.dumps({"modules": list(modules), **(run or {})}).encode()
+        for attempt in (0, 1):
+            control = self._ensure()
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                sock.close()
-                if time.monotonic() > deadline or self._proc.poll() is not None:
+                with self._send_lock:
+                    socket.send_fds(control, [header], [theirs.fileno()])
+                return mine
+            except OSError:
+                mine.close()
+                if attempt or self._proc.poll() is None:
                     raise RuntimeError("the worker's zygote process did not start; see the worker's log") from None
-                time.sleep(0.02)
-        send_msg(sock, json.dumps({"modules": modules}).encode())
-        return sock
+            finally:
+                theirs.close()
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         with self._lock:
@@ -149,6 +210,9 @@ class Zygote:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
+            if self._control is not None:
+                self._control.close()
+                self._control = None
 
 
 def wait_readable(sock: socket.socket, seconds: float) -> bool:

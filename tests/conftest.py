@@ -8,6 +8,9 @@ import uuid
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# The suite's clusters run every tenant's bodies as the worker's user (its bodies write markers the tests read);
+# tests/test_isolation.py starts isolated workers of its own (dask_gpu.isolation).
+os.environ.setdefault("DASK_DASK_GPU__ISOLATION__MODE", "shared")
 
 import logging
 

@@ -345,7 +345,7 @@ class Dispatcher:
                                  code_digest=admission.code_digest, request=request,
                                  ttl_seconds=self.settings.ticket_ttl_seconds,
                                  lease_seconds=self.settings.body_lease_seconds,
-                                 hosts=len(shares) if shares else 1, shares=shares or ())
+                                 hosts=len(shares) if shares else 1, shares=shares or (), tenant=admission.tenant)
 
     def _execute_once(self, admission: Admission, body: Body) -> tuple[Reply, bytes]:
         request = admission.request

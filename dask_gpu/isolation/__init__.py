@@ -1,0 +1,185 @@
+"""The tenant boundary on a GPU worker: what an admitted body can reach, chosen by configuration.
+
+One module per concern, as Slurm's plugins are: `identity` (an unprivileged
+UID/GID per body, from a range the operator gives), `filesystem` (the sandbox a
+tenant's zygote runs in, built by bubblewrap, and each body's private /tmp,
+working directory and /proc), `devices` (only the body's own /dev/nvidia*
+nodes). `plan_for` decides, once at the worker's start, in which mode it runs:
+
+- `isolated`: the worker runs as root and bubblewrap is there (how a GPU host's worker runs). Each tenant
+  gets a zygote of its own inside a bwrap sandbox; each body gets its own UID, PID and mount namespaces.
+- `unisolated`: it cannot isolate (not root, or no bwrap): bodies run as the worker's user, and the worker
+  serves one tenant only: the one it was started for (`--tenant NAME`), else the first whose body it ran.
+- `shared`: the operator said so (`--isolation shared`): bodies of every tenant run as the worker's user,
+  as in plain Dask. For one trusted team, or a test cluster; it is logged and advertised as such.
+
+Settings come from dask.config (`dask-gpu.isolation.*`, so `DASK_DASK_GPU__ISOLATION__MODE=...` in the
+environment) and `dask-gpu-worker`'s flags (`--isolation`, `--tenant`, `--body-uids`, `--device-nodes`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import threading
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dask_gpu.errors import DaskGPUError
+
+CONFIG_KEY = "dask-gpu.isolation"
+MODES = ("auto", "isolated", "unisolated", "shared")
+
+
+class IsolationError(DaskGPUError):
+    """A worker cannot run a body under the isolation it was configured for (or a setting is malformed)."""
+
+
+class TenantRefused(IsolationError):
+    """A worker that does not isolate bodies refused a body of a second tenant."""
+
+
+class IsolationSettings(BaseModel):
+    """What the operator asked for (dask.config `dask-gpu.isolation`, or `dask-gpu-worker` flags)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: Literal["auto", "isolated", "unisolated", "shared"] = "auto"
+    tenant: str | None = None  # the one tenant an unisolated worker serves
+    body_uids: tuple[int, int] = (20000, 20999)  # first, last (inclusive)
+    bwrap: str = "/usr/bin/bwrap"
+    device_nodes: str = "/dev"  # where this host's nvidia* nodes are (a test points it at stand-ins)
+    bodies_dir: str | None = None  # each body's working directory lives under it (default: the worker's local dir)
+    extra_paths: tuple[str, ...] = Field(default=())  # more read-only paths a body may read (datasets, models)
+
+    @field_validator("body_uids", mode="before")
+    @classmethod
+    def _uids(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                first, last = (int(v) for v in value.split("-", 1))
+            except ValueError:
+                raise ValueError(f"body_uids {value!r} is not a range FIRST-LAST. Fix: --body-uids 20000-20999") from None
+            value = (first, last)
+        first, last = value
+        if not 1000 <= first <= last < 2**31:
+            raise ValueError(f"body_uids {first}-{last}: give an unprivileged range (1000 or more, FIRST <= LAST) that "
+                             "no user of this host owns, e.g. 20000-20999")
+        return (first, last)
+
+    @field_validator("extra_paths", mode="before")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        return tuple(p for p in value.split(":") if p) if isinstance(value, str) else tuple(value or ())
+
+
+def settings_from_config() -> IsolationSettings:
+    """The settings in dask.config (`dask-gpu.isolation.*`); a malformed value names its key."""
+    import dask
+
+    raw = dask.config.get(CONFIG_KEY, default={}) or {}
+    values = {str(k).replace("-", "_"): v for k, v in dict(raw).items() if v is not None}
+    for key in ("tenant", "bwrap", "device_nodes", "bodies_dir"):  # the environment's "123" reads as a number
+        if key in values:
+            values[key] = str(values[key])
+    try:
+        return IsolationSettings(**values)
+    except ValidationError as exc:
+        what = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in exc.errors())
+        raise IsolationError(f"dask config {CONFIG_KEY} is malformed: {what}. Fix: see `dask-gpu-worker --help` "
+                             "(--isolation, --tenant, --body-uids, --device-nodes)") from None
+
+
+def can_isolate(settings: IsolationSettings) -> str | None:
+    """Why this process cannot isolate bodies (None: it can)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "the worker does not run as root, so it cannot give bodies identities of their own"
+    bwrap = settings.bwrap if os.path.isfile(settings.bwrap) else shutil.which(settings.bwrap)
+    if not bwrap or not os.access(bwrap, os.X_OK):
+        return f"bubblewrap is not installed at {settings.bwrap} (Debian: apt-get install bubblewrap)"
+    return _sandbox_works(bwrap)
+
+
+@functools.lru_cache(maxsize=4)
+def _sandbox_works(bwrap: str) -> str | None:
+    """Whether bwrap can make namespaces here (a container without CAP_SYS_ADMIN, or a seccomp filter, may forbid
+    them): one tiny sandbox at start, so `auto` never picks a mode every body would then fail in."""
+    import subprocess
+
+    try:
+        out = subprocess.run([bwrap, "--unshare-pid", "--unshare-ipc", "--ro-bind", "/", "/", "--proc", "/proc",
+                              "--dev", "/dev", "--tmpfs", "/tmp", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap at {bwrap} could not start a sandbox ({exc})"
+    if out.returncode != 0:
+        return f"bubblewrap at {bwrap} cannot make a sandbox on this host: {out.stderr.strip()[-200:]}"
+    return None
+
+
+class IsolationPlan(BaseModel):
+    """The mode a worker runs in, decided once at its start, and what it advertises."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: Literal["isolated", "unisolated", "shared"]
+    settings: IsolationSettings = IsolationSettings()
+    why: str = ""  # why a worker asked for `auto` does not isolate
+
+    def describe(self) -> str:
+        """One line for the worker's log and `aisched workers`."""
+        if self.mode == "isolated":
+            first, last = self.settings.body_uids
+            only = f", for tenant {self.settings.tenant} only" if self.settings.tenant else ""
+            return (f"isolated: each body runs under its own UID ({first}-{last}), in its own PID and mount "
+                    f"namespaces, one zygote per tenant{only}")
+        if self.mode == "shared":
+            return "shared: bodies of every tenant run as the worker's own user (the operator chose --isolation shared)"
+        tenant = self.settings.tenant
+        return (f"unisolated ({self.why}): bodies run as the worker's own user; it serves "
+                + (f"tenant {tenant} only" if tenant else "the first tenant whose body it runs, and refuses others"))
+
+
+def plan_for(settings: IsolationSettings | None = None) -> IsolationPlan:
+    """The mode this worker runs in. `isolated` that cannot be had is an error, not a silent downgrade."""
+    settings = settings or settings_from_config()
+    if settings.mode == "shared":
+        return IsolationPlan(mode="shared", settings=settings)
+    why = can_isolate(settings) if settings.mode in ("auto", "isolated") else "the operator chose --isolation unisolated"
+    if why is None:
+        return IsolationPlan(mode="isolated", settings=settings)
+    if settings.mode == "isolated":
+        raise IsolationError(f"--isolation isolated: {why}. Fix: run the worker as root with bubblewrap installed, "
+                             "or start it for one tenant (--tenant NAME)")
+    return IsolationPlan(mode="unisolated", settings=settings, why=why)
+
+
+class TenantGate:
+    """Which tenants' bodies a worker runs: any (isolated, shared, unless started for one), else only one."""
+
+    def __init__(self, plan: IsolationPlan) -> None:
+        self.plan = plan
+        self._lock = threading.Lock()
+        self._first: str | None = plan.settings.tenant
+
+    def admit(self, tenant: str, run: str) -> None:
+        """Raise TenantRefused unless this worker may run a body of `tenant` (a ticket's tenant: signed)."""
+        if self.plan.mode == "shared":
+            return
+        with self._lock:
+            if self._first is None and self.plan.mode == "unisolated":
+                self._first = tenant
+            only = self._first if self.plan.mode == "unisolated" else self.plan.settings.tenant
+        if only is not None and tenant != only:
+            how = ("it was started for that tenant (--tenant)" if self.plan.settings.tenant
+                   else "it does not isolate bodies and already ran that tenant's")
+            raise TenantRefused(f"run {run} of tenant {tenant or '(none named)'!r} is refused: this worker serves tenant "
+                                f"{only!r} only, because {how}. Fix: run bodies of several tenants on a worker started "
+                                "as root with bubblewrap (isolated), or give each tenant workers of its own "
+                                "(dask-gpu-worker --tenant NAME)")
+
+
+__all__ = ["IsolationError", "IsolationPlan", "IsolationSettings", "TenantGate", "TenantRefused", "can_isolate",
+           "plan_for", "settings_from_config"]

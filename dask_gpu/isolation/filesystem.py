@@ -1,0 +1,172 @@
+"""What a body's process can see of the filesystem: a read-only allow-list, a private /tmp, home and /proc.
+
+Why bubblewrap, and why not one bwrap per body. bwrap (Debian's `bubblewrap`,
+what Flatpak runs every app in) builds the sandbox's root: an empty tmpfs into
+which only the paths a body needs are bound read-only (the system's /usr, a
+few /etc files, the Python install and the import path), plus /dev, /proc, a
+/tmp, and this worker's GPU nodes; the worker's TLS files and local directory
+are covered even where they lie under a bound path. That is the part where
+hand-written code goes wrong (pivot_root, mount propagation, symlinked
+system dirs), so it is left to bwrap. One bwrap per body would mean a Python
+start and the body's imports in every body (bench/overhead.py: tens of
+milliseconds bare, seconds with Prefect), so bwrap starts each tenant's zygote
+once; each body forked from it then only adds what is its own (`enter_run`),
+a few system calls measured in milliseconds:
+
+- a PID namespace (its process is PID 1 there: /proc, mounted fresh, shows
+  only the body and what it started, and killing it ends all of them),
+- a mount namespace with a private tmpfs on /tmp and /dev/shm, its working directory
+  (a directory of its own under the bodies directory, 0700, its UID's) bound
+  on /home/body, the bodies directory itself covered, and only its own GPU
+  nodes left in /dev (dask_gpu.isolation.devices).
+
+All of it happens as root in the body's new process before it drops to its
+own UID (dask_gpu.isolation.identity) and before it unpickles anything. The
+zygote itself runs only the worker's own code; the modules a body names are
+imported there only when they are installed packages (site-packages, the
+standard library), otherwise in the body's own process after the drop, so a
+flow's module-level code never runs with privileges.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sysconfig
+from collections.abc import Iterable
+
+HOME = "/home/body"
+BODIES = "/run/aisched-bodies"  # where the bodies directory is bound inside a tenant's sandbox
+PATH = "/usr/local/bin:/usr/bin:/bin"
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# What the CUDA driver and NVML read about devices and topology (read-only; no cgroup or kernel knobs).
+SYS_DIRS = ("/sys/block", "/sys/bus", "/sys/class", "/sys/dev", "/sys/devices")
+ETC_FILES = ("resolv.conf", "hosts", "nsswitch.conf", "passwd", "group", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
+             "ssl", "ca-certificates", "localtime", "alternatives", "os-release", "gai.conf", "host.conf", "protocols",
+             "services", "mime.types")
+# What the zygote keeps inside its sandbox (bwrap drops the rest of root's): forking bodies into namespaces of their
+# own, making their directories, dropping them to their UIDs, cleaning up after them.
+ZYGOTE_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE", "CAP_KILL")
+
+CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc().mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+                         data.encode() if data else None), f"mount {target}")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc().unshare(flags), "unshare")
+
+
+def _outermost(paths: Iterable[str]) -> list[str]:
+    """Existing paths, resolved, without those inside another one of them."""
+    real = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)}, key=len)
+    out: list[str] = []
+    for p in real:
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return sorted(out)
+
+
+def without(paths: Iterable[str], excluded: Iterable[str]) -> list[str]:
+    """`paths` less those equal to or inside any of `excluded` (the worker's scratch space Dask puts on sys.path).
+
+    >>> without(["/opt/code", "/tmp/dask-scratch-space/worker-1", "/tmp/dask-scratch-space"], ["/tmp/dask-scratch-space"])
+    ['/opt/code']
+    """
+    out = [os.path.realpath(e).rstrip("/") for e in excluded if e]
+    return [p for p in paths if p and not any(os.path.realpath(p) == e or os.path.realpath(p).startswith(e + "/")
+                                              for e in out)]
+
+
+def code_paths(sys_path: Iterable[str], extra: Iterable[str] = ()) -> list[str]:
+    """What a body must read: the interpreter and its install, the import path, and the operator's extra paths."""
+    import sys
+
+    install = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+               os.path.dirname(sys.executable), *sysconfig.get_paths().values()]
+    return _outermost([*install, *sys_path, *extra])
+
+
+def _ancestors(path: str) -> list[str]:
+    """'/a/b/c' -> ['/a', '/a/b'] (not '/', not the path itself)."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def sandbox_argv(bwrap: str, *, read_only: Iterable[str], hide: Iterable[str], devices: Iterable[tuple[str, str]],
+                 bodies_dir: str) -> list[str]:
+    """bwrap's arguments for a tenant's zygote (the command goes after them)."""
+    args = [bwrap, "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    for cap in ZYGOTE_CAPS:
+        args += ["--cap-add", cap]
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    for name in ETC_FILES:
+        path = os.path.join("/etc", name)
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    for d in SYS_DIRS:
+        if os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME, "--bind", bodies_dir, BODIES]
+    system = [os.path.realpath(d) for d in SYSTEM_DIRS if os.path.isdir(d)]
+    for path in read_only:
+        if not any(path == s or path.startswith(s + "/") for s in system):
+            args += ["--ro-bind", path, path]
+    for src, dst in devices:
+        args += ["--dev-bind", src, dst]
+    # bwrap makes the parents of a bound path with the host's modes (/root: 0700): a body must traverse them.
+    parents = sorted({a for p in read_only for a in _ancestors(p)} - set(read_only), key=len)
+    for parent in parents:
+        if not any(parent == s or parent.startswith(s + "/") for s in system):
+            args += ["--chmod", "0755", parent]
+    bound = [p for p in read_only]
+    for path in sorted({os.path.realpath(p) for p in hide if p}):
+        if not any(path == b or path.startswith(b.rstrip("/") + "/") for b in bound):
+            continue  # not reachable in the sandbox at all
+        if os.path.isdir(path):
+            args += ["--tmpfs", path]
+        elif os.path.exists(path):
+            args += ["--ro-bind", "/dev/null", path]
+    return args + ["--chdir", "/"]
+
+
+def enter_run(uid: int, gid: int, workdir: str, devices: Iterable[int]) -> None:
+    """In a body's new process (root, PID 1 of its own PID namespace): its own mount namespace and views.
+
+    A private /tmp and /dev/shm, its working directory on /home/body, the other bodies' directories covered, only its own
+    GPU nodes in /dev, and a /proc of its PID namespace. The caller then drops to `uid`."""
+    from dask_gpu.isolation.devices import keep_only
+
+    unshare(CLONE_NEWNS)
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}")
+    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}")  # NCCL, DataLoader
+    mount(workdir, HOME, None, MS_BIND)
+    mount("tmpfs", BODIES, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0000,size=4k")
+    keep_only(devices)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def body_env(extra: dict[str, str], import_path: Iterable[str]) -> dict[str, str]:
+    """A body's whole environment: nothing of the worker's, only what its run gives it and where it lives."""
+    seen = list(dict.fromkeys(p for p in import_path if p and os.path.exists(p)))
+    return {"PATH": PATH, "HOME": HOME, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PWD": HOME,
+            "PYTHONPATH": ":".join(seen), **extra}

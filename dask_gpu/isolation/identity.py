@@ -1,0 +1,61 @@
+"""An identity of a body's own: an unprivileged UID/GID from the operator's range, never the worker's.
+
+As Slurm runs a job under its own UID and systemd's DynamicUser hands a
+service a UID from a pool: the worker leases each body a UID from
+`body_uids` (least recently used first, so a UID comes back only after the
+whole range has turned over), and the body's process drops to it (no
+supplementary groups, GID = UID) before it touches a byte a flow sent.
+Dropping every UID from 0 clears the process's capabilities; no_new_privs
+keeps an exec (a setuid binary) from gaining any back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections import deque
+
+PR_SET_NO_NEW_PRIVS = 38
+
+
+class UidPool:
+    """UIDs leased to running bodies, from `first` to `last` inclusive."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self._free = deque(range(first, last + 1))
+        self._lock = threading.Lock()
+
+    def lease(self) -> int:
+        from dask_gpu.isolation import IsolationError
+
+        with self._lock:
+            if not self._free:
+                raise IsolationError("every UID of --body-uids is held by a running body. Fix: give the worker a "
+                                     "wider range (dask-gpu-worker --body-uids FIRST-LAST)")
+            return self._free.popleft()
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            if uid not in self._free:
+                self._free.append(uid)
+
+
+def no_new_privs() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def drop_to(uid: int, gid: int) -> None:
+    """Become `uid`/`gid` for good (real, effective and saved), with no capabilities left; raise if any remain."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    no_new_privs()
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+    if int(status.get("CapEff", "0"), 16) or int(status.get("CapPrm", "0"), 16):
+        raise PermissionError(f"the body's process still holds capabilities after dropping to UID {uid}")
+    if os.getuid() != uid or os.geteuid() != uid:
+        raise PermissionError(f"the body's process is not UID {uid} after dropping to it")

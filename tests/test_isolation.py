@@ -1,0 +1,227 @@
+"""The tenant boundary on a GPU worker run as root, as a GPU host's worker runs (dask_gpu.isolation).
+
+A scheduler and two `dask-gpu-worker` processes with TLS, as docs/how-to/gpu-cluster.md starts them: `iso` runs as
+root with bubblewrap (isolated: the default there), with device nodes that stand in for its two GPUs; `single`
+cannot isolate (`--isolation unisolated`) and was started for one tenant. Two tenants' bodies run on `iso` at once:
+each under a UID of its own, neither able to read the other's files, the worker's TLS key or local directory, or
+see or signal the other's process; each sees only its own GPU node. `single` refuses the second tenant.
+
+Needs root and bwrap: skipped elsewhere with the reason, required under CI (AISCHED_REQUIRE_ISOLATION=1, set by
+.ci/run, which installs bubblewrap).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import cloudpickle
+import psutil
+import pytest
+
+from dask_gpu import GPURequest
+from dask_gpu.child import code_digest
+from dask_gpu.isolation import IsolationSettings, TenantRefused, can_isolate
+from dask_gpu.sandbox import Body, run_ticketed
+from dask_gpu.tickets import TicketSigner, digest
+from tests.clusterprocs import BIN, ClusterProcs
+
+UIDS = (23000, 23099)
+REQUEST = GPURequest(gpus=1, gpu_type="L4")
+
+
+def _require_isolation() -> None:
+    why = can_isolate(IsolationSettings())
+    if why is None:
+        return
+    if os.environ.get("AISCHED_REQUIRE_ISOLATION"):
+        pytest.fail(f"AISCHED_REQUIRE_ISOLATION is set but this machine cannot isolate bodies: {why}")
+    pytest.skip(f"needs a root worker with bubblewrap: {why} (.ci/run installs it and requires this test)")
+
+
+def _bodies():
+    """Pickled by value (defined in a function), so a body's process need not import this test module."""
+
+    def tenant_a(secret: str) -> dict:
+        import os
+        import time
+
+        home = os.environ["HOME"]
+        with open(os.path.join(home, "secret.txt"), "w") as f:
+            f.write(secret)
+        with open("/tmp/secret.txt", "w") as f:
+            f.write(secret)
+        deadline = time.monotonic() + 90
+        while not os.path.exists(os.path.join(home, "release")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the test, as root on the host, drops `release` into this body's directory
+        import subprocess
+        import sys
+
+        child = subprocess.run([sys.executable, "-c", "import os, json; print(os.getuid())"], capture_output=True,
+                               text=True, timeout=60)  # a body starts programs (torchrun) as itself
+        return {"uid": os.getuid(), "gid": os.getgid(), "home": home, "pid": os.getpid(),
+                "subprocess": child.stdout.strip() or child.stderr[-300:],
+                "procs": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+                "dev": sorted(d for d in os.listdir("/dev") if d.startswith("nvidia")),
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "env": sorted(os.environ)}
+
+    def tenant_b(paths: list[str], dirs: list[str], other_pid: int) -> dict:
+        import os
+        import sys
+
+        out: dict = {"uid": os.getuid(), "procs": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+                     "reads": {}, "lists": {}, "env": dict(os.environ)}
+        for path in paths:
+            try:
+                with open(path) as f:
+                    f.read()
+                out["reads"][path] = "read"
+            except OSError as exc:
+                out["reads"][path] = type(exc).__name__
+        for path in dirs:
+            try:
+                out["lists"][path] = os.listdir(path)
+            except OSError as exc:
+                out["lists"][path] = type(exc).__name__
+        try:
+            os.kill(other_pid, 0)
+            out["signal"] = "delivered"
+        except OSError as exc:
+            out["signal"] = type(exc).__name__
+        writable = []
+        for entry in filter(None, sys.path):
+            try:
+                with open(os.path.join(entry, "planted_by_b.py"), "w") as f:
+                    f.write("OWNED = True\n")
+                writable.append(entry)
+            except OSError:
+                pass
+        out["writable_import_path"] = writable
+        return out
+
+    def whoami() -> int:
+        import os
+
+        return os.getuid()
+
+    return tenant_a, tenant_b, whoami
+
+
+tenant_a, tenant_b, whoami = _bodies()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    _require_isolation()
+    root = tmp_path_factory.mktemp("isolation")
+    dev = root / "dev"  # stand-ins for this host's GPU nodes (a test cannot make real ones)
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl"):
+        (dev / name).write_text(name)
+    procs = ClusterProcs(root, env={"DASK_DASK_GPU__ISOLATION__MODE": "auto",
+                                    "DASK_DASK_GPU__ISOLATION__DEVICE_NODES": str(dev),
+                                    "DASK_DASK_GPU__ISOLATION__BODY_UIDS": f"{UIDS[0]}-{UIDS[1]}"})
+    try:
+        procs.start_scheduler()
+        procs.start_worker("iso", "2 GPUs, 24 GB, L4", nthreads=4)
+        procs._spawn("single", [str(BIN / "dask-gpu-worker"), procs.address, "--tls-dir", str(procs.tls),
+                                "--trust-key", procs.key, "--declared", "1 GPU, 24 GB, L4", "--name", "single",
+                                "--nthreads", "2", "--host", "127.0.0.1", "--no-dashboard",
+                                "--isolation", "unisolated", "--tenant", "team-a"])
+        procs.wait_for_workers(2)
+        yield procs
+    finally:
+        procs.close()
+
+
+@pytest.fixture(scope="module")
+def signer(cluster) -> TicketSigner:
+    from aisched_prefect.control.service import load_or_make_key
+
+    return TicketSigner(load_or_make_key(cluster.home / "control.key"))
+
+
+def submit(client, signer, tenant: str, fn, *args, worker: str = "iso", key: str | None = None):
+    body = Body(payload=cloudpickle.dumps(fn) + cloudpickle.dumps((args, {})))
+    ticket = signer.issue(run=f"iso-{time.monotonic_ns()}", payload_digest=digest(body.payload),
+                          code_digest=code_digest(fn), request=REQUEST, tenant=tenant)
+    return client.submit(run_ticketed, ticket, body, workers=[worker], allow_other_workers=False,
+                         resources=REQUEST.resources(), pure=False, **({"key": key} if key else {}))
+
+
+def wait_for(what, seconds: float = 60.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
+
+
+def test_two_tenants_bodies_on_one_root_worker_cannot_reach_each_other_or_the_worker(cluster, signer):
+    from dask_gpu.cluster import cluster_view, worker_addresses
+
+    with cluster.client() as client:
+        views = {v.name: v for v in cluster_view(client)}
+        assert views["iso"].isolation == "isolated" and "own UID" in views["iso"].isolation_detail
+        assert views["single"].isolation == "unisolated" and "team-a only" in views["single"].isolation_detail
+        address = worker_addresses(client)["iso"]
+        local = client.run(lambda dask_worker: dask_worker.local_directory, workers=[address])[address]
+        worker_pid = cluster.worker_pid(address)
+        bodies = Path(local) / "bodies"
+
+        a = submit(client, signer, "team-a", tenant_a, "a's secret")
+
+        def a_started():
+            """tenant a's body to write its secret"""
+            return next((p.parent for p in bodies.glob("*/secret.txt")), None)
+
+        a_dir = wait_for(a_started)
+        a_uid = a_dir.stat().st_uid
+        a_pid = next(p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == a_uid)
+        tls = cluster.tls
+        paths = [f"/run/aisched-bodies/{a_dir.name}/secret.txt", str(a_dir / "secret.txt"),
+                 str(tls / "cluster.key"), str(tls / "client.key"), f"/proc/{worker_pid}/environ",
+                 f"/proc/{a_pid}/environ", f"/proc/{a_pid}/root/tmp/secret.txt"]
+        dirs = [local, str(bodies), "/run/aisched-bodies", str(tls), f"/proc/{a_pid}/cwd"]
+        b = submit(client, signer, "team-b", tenant_b, paths, dirs, a_pid).result(timeout=60)
+        assert b.ok, b.error_text
+        seen_by_b = cloudpickle.loads(b.value)
+        (a_dir / "release").write_text("")
+        out_a = a.result(timeout=60)
+        assert out_a.ok, out_a.error_text
+        seen_by_a = cloudpickle.loads(out_a.value)
+
+    # Different identities of their own, never the worker's (root).
+    assert seen_by_a["uid"] == a_uid and UIDS[0] <= a_uid <= UIDS[1]
+    assert seen_by_a["subprocess"] == str(a_uid)
+    assert UIDS[0] <= seen_by_b["uid"] <= UIDS[1] and seen_by_b["uid"] != a_uid
+    assert psutil.Process(worker_pid).uids().real == 0
+    # Neither the other's files, nor the worker's key, local directory or process.
+    assert all(v != "read" for v in seen_by_b["reads"].values()), seen_by_b["reads"]
+    assert all(not isinstance(v, list) or not v for v in seen_by_b["lists"].values()), seen_by_b["lists"]
+    assert seen_by_b["procs"] == ["1"] and seen_by_a["procs"] == ["1"] and seen_by_a["pid"] == 1
+    assert seen_by_b["signal"] == "ProcessLookupError"
+    assert seen_by_b["writable_import_path"] == []
+    # An environment with nothing of the worker's; only its own GPU node.
+    assert set(seen_by_b["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PWD", "PYTHONPATH", "CUDA_DEVICE_ORDER",
+                                     "CUDA_VISIBLE_DEVICES", "DASK_GPU_WORKER", "MASTER_ADDR", "MASTER_PORT",
+                                     "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES",
+                                     "NPROC_PER_NODE", "GROUP_RANK", "ROLE_RANK"}, sorted(seen_by_b["env"])
+    assert not any("TRUSTED" in k or k.startswith(("DASK_", "AISCHED_")) for k in seen_by_b["env"] if k != "DASK_GPU_WORKER")
+    assert seen_by_a["dev"] == [f"nvidia{seen_by_a['visible']}", "nvidiactl"]
+    assert seen_by_a["home"] == "/home/body"
+    # Its working directory (and /tmp) went with it.
+    wait_for(lambda: not a_dir.exists())
+
+
+def test_a_worker_that_cannot_isolate_serves_only_the_tenant_it_was_started_for(cluster, signer):
+    with cluster.client() as client:
+        out = submit(client, signer, "team-a", whoami, worker="single").result(timeout=60)
+        assert out.ok and cloudpickle.loads(out.value) == 0  # unisolated: the worker's own user, and it says so
+        with pytest.raises(TenantRefused, match="serves tenant 'team-a' only.*--tenant"):
+            submit(client, signer, "team-b", whoami, worker="single").result(timeout=60)
+    assert "isolation: unisolated" in cluster.log("single")
+    assert "isolation: isolated" in cluster.log("iso")
