@@ -84,7 +84,7 @@ SCHEDULER_WORKER_STREAM = frozenset("""
 SCHEDULER_CLIENT_STREAM = frozenset("""
     update-graph client-desires-keys update-data report-key client-releases-keys heartbeat-client close-client
     subscribe-topic unsubscribe-topic cancel-keys publish_flush_batched_send queue-future-release queue_release
-    variable-future-received-confirm variable_delete gpu-limit-release gpu-queue-leave
+    variable-future-received-confirm variable_delete gpu-limit-release gpu-queue-leave gpu-queue-enter
 """.split())
 # Event topics the scheduler and its plugins act on: a worker may not log to them (a forged `remove-worker`).
 PROTECTED_TOPICS = frozenset({"all", "scheduler", "aisched-worker-died"})

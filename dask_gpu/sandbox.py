@@ -94,6 +94,21 @@ def _redeem(worker: Any, ticket: Ticket, member: int, key: str) -> None:
                              f"(a replay, or Dask re-running the task after a worker died) is refused on {worker.address}")
 
 
+def _redeem_here(plugin: GPUWorkerPlugin, ticket: Ticket, member: int) -> None:
+    """Single use that does not rest on the scheduler's memory: this worker runs a ticket (member) once.
+
+    The cluster-wide registry on the scheduler catches a re-run on another worker; a scheduler whose memory was
+    altered could forget a redemption there, but the ticket names its worker(s) and each worker keeps its own."""
+    now = time.time()
+    used: dict[tuple[str, int], float] = plugin.__dict__.setdefault("_redeemed_here", {})
+    for k in [k for k, exp in used.items() if exp < now]:
+        del used[k]
+    if (ticket.id, member) in used:
+        raise TicketRejected(f"ticket {ticket.id[:8]} of run {ticket.run} was already used on this worker: a second "
+                             "execution is refused")
+    used[(ticket.id, member)] = ticket.expires_at
+
+
 def _secede() -> None:
     """Leave the worker's thread pool: the body waits in a process of its own, so its thread must not count."""
     if getattr(thread_state, "key", None) is not None:
@@ -134,7 +149,9 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
     if plugin.tenants is not None:  # a worker that does not isolate serves one tenant; refused before it is redeemed
         plugin.tenants.admit(ticket.tenant, ticket.run)
     key = str(getattr(thread_state, "key", None) or ticket.id)
-    _redeem(worker, ticket, body.member, key)
+    _redeem(worker, ticket, body.member, key)  # cluster-wide (a re-run elsewhere is refused, and listed)
+    ticket.check_worker(worker.address, body.member)  # neither rests on the scheduler's memory
+    _redeem_here(plugin, ticket, body.member)
     request = ticket.member_request(body.member)
     _secede()
     # The child is forked (after its modules are imported, once per worker) before devices are held, so

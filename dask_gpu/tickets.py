@@ -65,6 +65,7 @@ class Ticket(BaseModel):
     hosts: int = 1
     shares: tuple[int, ...] = ()  # a gang: the GPUs each member holds on its worker (member i: shares[i])
     tenant: str = ""  # whose body this is: each tenant's bodies fork from a zygote of its own (old tickets: "")
+    workers: tuple[str, ...] = ()  # where it may run (a gang: member i on workers[i]); () = any worker
     signature: str = ""
 
     def member_request(self, member: int) -> GPURequest:
@@ -74,6 +75,15 @@ class Ticket(BaseModel):
         if not 0 <= member < len(self.shares):
             raise TicketRejected(f"ticket for run {self.run} has no member {member}")
         return self.request.member(self.shares[member])
+
+    def check_worker(self, address: str, member: int) -> None:
+        """A ticket runs only where the control plane placed it: a scheduler that hands it elsewhere is refused."""
+        if not self.workers:
+            return
+        allowed = [self.workers[member]] if self.hosts > 1 and member < len(self.workers) else list(self.workers)
+        if address not in allowed:
+            raise TicketRejected(f"ticket {self.id[:8]} of run {self.run} was issued for {', '.join(allowed)}, not "
+                                 f"{address}: refused (the scheduler placed it somewhere the control plane did not)")
 
     def body(self) -> bytes:
         return json.dumps(self.model_dump(mode="json", exclude={"signature"}), sort_keys=True,
@@ -106,11 +116,12 @@ class TicketSigner:
 
     def issue(self, *, run: str, payload_digest: str, code_digest: str, request: GPURequest,
               ttl_seconds: float = 600.0, lease_seconds: float = 300.0, hosts: int = 1,
-              shares: tuple[int, ...] | list[int] = (), tenant: str = "") -> Ticket:
+              shares: tuple[int, ...] | list[int] = (), tenant: str = "",
+              workers: tuple[str, ...] | list[str] = ()) -> Ticket:
         now = time.time()
         unsigned = Ticket(key_id=self.key_id, run=run, payload_digest=payload_digest, code_digest=code_digest,
                           request=request, issued_at=now, expires_at=now + ttl_seconds, lease_seconds=lease_seconds,
-                          hosts=hosts, shares=tuple(shares), tenant=tenant)
+                          hosts=hosts, shares=tuple(shares), tenant=tenant, workers=tuple(workers))
         return unsigned.model_copy(update={"signature": self.sign(unsigned.body())})
 
 

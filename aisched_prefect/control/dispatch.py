@@ -337,7 +337,8 @@ class Dispatcher:
                 requeued += 1
                 admission = admitter.readmit(admission, f"preempted ({requeued})")
 
-    def _ticket(self, admission: Admission, attempt_key: str, shares: list[int] | None = None) -> Ticket:
+    def _ticket(self, admission: Admission, attempt_key: str, shares: list[int] | None = None,
+                workers: list[str] | None = None) -> Ticket:
         request = admission.request.gpu_request()
         if shares:  # a gang: the ticket names how many members there are and what each holds
             request = request.model_copy(update={"hosts": len(shares)})
@@ -345,7 +346,8 @@ class Dispatcher:
                                  code_digest=admission.code_digest, request=request,
                                  ttl_seconds=self.settings.ticket_ttl_seconds,
                                  lease_seconds=self.settings.body_lease_seconds,
-                                 hosts=len(shares) if shares else 1, shares=shares or (), tenant=admission.tenant)
+                                 hosts=len(shares) if shares else 1, shares=shares or (), tenant=admission.tenant,
+                                 workers=tuple(workers or ()))
 
     def _execute_once(self, admission: Admission, body: Body) -> tuple[Reply, bytes]:
         request = admission.request
@@ -447,7 +449,8 @@ class Dispatcher:
         place = state.placement
         if not gang:
             devices = place.devices[0] if place is not None and place.devices else None
-            state.ticket = self._ticket(state.admission, state.key)
+            state.ticket = self._ticket(state.admission, state.key,
+                                        workers=place.workers if place is not None else workers)
             state.dask_at = time.monotonic()
             return [self.client.submit(
                 run_ticketed, state.ticket, body.model_copy(update={"devices": devices}), key=state.key,
@@ -455,7 +458,7 @@ class Dispatcher:
                 allow_other_workers=False, pure=False)]
         assert place is not None
         shares = [int(x) for x in place.shares]
-        state.ticket = ticket = self._ticket(state.admission, state.key, shares)
+        state.ticket = ticket = self._ticket(state.admission, state.key, shares, workers=place.workers)
         state.members = [f"{state.key}-m{i}" for i in range(len(place.workers))]
         state.dask_at = time.monotonic()
         return [self.client.submit(

@@ -1,0 +1,59 @@
+"""Single use that holds against a scheduler whose memory was altered: a ticket names where it runs, and each worker
+keeps what it ran (the scheduler's registry is one check, not the only one).
+
+The scheduler's memory is reachable by whoever holds its process; these checks read only the signed ticket and
+the worker's own memory (which an isolated body cannot reach: tests/test_isolation.py)."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from dask_gpu import GPURequest
+from dask_gpu.sandbox import _redeem_here
+from dask_gpu.tickets import TicketRejected, TicketSigner, verify_signature
+
+
+def _ticket(**kw):
+    signer = TicketSigner(Ed25519PrivateKey.generate())
+    ticket = signer.issue(run="adm/attempt", payload_digest="p" * 64, code_digest="c" * 64,
+                          request=GPURequest(gpus=1), ttl_seconds=60, lease_seconds=30, **kw)
+    return signer, ticket
+
+
+def test_a_ticket_placed_on_one_worker_is_refused_on_another():
+    signer, ticket = _ticket(workers=("tls://10.0.0.1:4000",))
+    ticket.check_worker("tls://10.0.0.1:4000", 0)
+    with pytest.raises(TicketRejected, match="was issued for tls://10.0.0.1:4000"):
+        ticket.check_worker("tls://10.0.0.2:4000", 0)
+    # The binding is signed: a ticket rewritten to name another worker no longer verifies.
+    forged = ticket.model_copy(update={"workers": ("tls://10.0.0.2:4000",)})
+    with pytest.raises(TicketRejected):
+        verify_signature(forged, {signer.key_id: signer.public_key})
+
+
+def test_a_gang_member_runs_only_on_its_own_worker():
+    _, ticket = _ticket(workers=("tls://a:1", "tls://b:1"), hosts=2, shares=(1, 1))
+    ticket.check_worker("tls://b:1", 1)
+    with pytest.raises(TicketRejected):
+        ticket.check_worker("tls://a:1", 1)
+
+
+def test_a_worker_runs_a_ticket_once_whatever_the_scheduler_remembers():
+    _, ticket = _ticket()
+    plugin = types.SimpleNamespace()
+    _redeem_here(plugin, ticket, 0)  # the scheduler's registry said "fresh" both times (its memory was altered)
+    with pytest.raises(TicketRejected, match="already used on this worker"):
+        _redeem_here(plugin, ticket, 0)
+    _redeem_here(plugin, ticket, 1)  # another member of a gang is its own redemption
+
+
+def test_the_workers_memory_of_used_tickets_forgets_them_once_they_expire():
+    _, ticket = _ticket()
+    plugin = types.SimpleNamespace()
+    _redeem_here(plugin, ticket.model_copy(update={"expires_at": time.time() - 1}), 0)
+    _redeem_here(plugin, ticket, 0)  # the expired entry was pruned (an expired ticket fails its signature check first)
+    assert list(plugin._redeemed_here) == [(ticket.id, 0)]
