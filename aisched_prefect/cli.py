@@ -519,6 +519,9 @@ def doctor(control_plane: Optional[str] = PlaneOpt, token_file: Optional[str] = 
             health = httpx.get(f"{url}/v1/health", timeout=5).json()
             line("control plane", True, f"{url} answers (replica {health['replica']}, cluster {health.get('dask')}, "
                  f"key {health['public_key'][:16]}...)")
+            if health.get("scheduler", {}).get("connected") is False:
+                line("Dask scheduler", False, health.get("error", "it does not answer"),
+                     "start the scheduler again: the control plane reconnects by itself")
         except (httpx.HTTPError, ValueError) as exc:
             line("control plane", False, f"{url} does not answer ({type(exc).__name__})",
                  "start it (`aisched serve`) or correct AISCHED_CONTROL_PLANE")

@@ -31,6 +31,10 @@ class InvalidUsage(AISchedError, ValueError):
     """A task reported usage that cannot be right (negative tokens or cost)."""
 
 
+class SchedulerLost(AISchedError):
+    """The Dask scheduler went away while a run ran: its outcome is unknown, it was charged for the time it had."""
+
+
 class ApprovalSuspended(AISchedError):
     """A deployment run was suspended to wait for a person; its process exits and the run resumes on the answer.
 

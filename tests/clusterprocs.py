@@ -50,9 +50,11 @@ class ClusterProcs:
     def log(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text()
 
-    def start_scheduler(self) -> str:
+    def start_scheduler(self, port: int = 0) -> str:
+        """Start the scheduler (`port`: a fixed one, e.g. the one a killed scheduler had)."""
         file = self.root / "scheduler.json"
-        common = ["--host", "127.0.0.1", "--port", "0", "--no-dashboard", "--scheduler-file", str(file)]
+        file.unlink(missing_ok=True)
+        common = ["--host", "127.0.0.1", "--port", str(port), "--no-dashboard", "--scheduler-file", str(file)]
         if self.product:
             self._spawn("scheduler", [str(BIN / "dask-gpu-scheduler"), "--tls-dir", str(self.tls), *common])
         else:  # Dask's own scheduler, its default settings (allowed-failures 3, no preloads), the same TLS files

@@ -128,9 +128,16 @@ def build_app(plane: ControlPlane) -> FastAPI:
         return JSONResponse(Problem(error=str(exc)).model_dump(), status_code=422)
 
     @app.get("/v1/health")
-    async def health() -> dict[str, Any]:
-        return {"ok": True, "public_key": plane.public_key, "replica": plane.replica,
-                "dask": plane.client.scheduler.address, "version": plane.version}
+    async def health() -> JSONResponse:
+        """Alive, and whether the Dask scheduler answers: 503 naming the lost scheduler while it does not."""
+        scheduler = plane.scheduler_state()
+        body = {"ok": scheduler["connected"], "public_key": plane.public_key, "replica": plane.replica,
+                "dask": scheduler["address"], "scheduler": scheduler, "version": plane.version}
+        if not scheduler["connected"]:
+            body["error"] = (f"the Dask scheduler at {scheduler['address'] or '?'} does not answer"
+                             + (f" (for {scheduler['lost_for_seconds']:g}s)" if "lost_for_seconds" in scheduler else "")
+                             + ": the control plane keeps reconnecting. Fix: start the scheduler again")
+        return JSONResponse(body, status_code=200 if scheduler["connected"] else 503)
 
     @app.get("/v1/cluster")
     async def cluster(request: Request) -> dict[str, Any]:

@@ -414,6 +414,8 @@ class Dispatcher:
         except Lost as exc:
             return self._worker_died(state, exc)
         except BaseException as exc:  # cancelled, interrupted: outcome unknown, charge the hold
+            if _scheduler_gone(exc, self.client):
+                return self._scheduler_lost(state, exc)
             self.settle(state, held_by_account(state.holds), {"outcome": "lost", "error": f"{type(exc).__name__}: {exc}"})
             raise
         finally:
@@ -425,6 +427,8 @@ class Dispatcher:
         if died:  # the worker died (allowed-failures 0), or Dask re-ran the task and the ticket refused it
             return self._worker_died(state, Lost(self._lost_from(state, died[0])))
         failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None and _scheduler_gone(failed, self.client):
+            return self._scheduler_lost(state, failed)
         if isinstance(failed, TicketRejected):
             self.settle(state, None, {"outcome": "ticket-rejected", "error": str(failed)})
             return denied("ticket", str(failed), "the worker and the control plane disagree: see the worker's log"), b""
@@ -575,6 +579,32 @@ class Dispatcher:
                    f"most {ran:.1f}s")
         return Reply(status="failed", admission=adm.id, error_type="dask_gpu.errors.WorkerDied",
                      error_message=message), cloudpickle.dumps(WorkerDied(message))
+
+    def _scheduler_lost(self, state: Running, exc: BaseException) -> tuple[Reply, bytes]:
+        """The Dask scheduler went away under a handed-over run: its outcome is unknown (its worker may even have
+        finished it), so it is charged for the time it had, at most its hold, and its caller gets SchedulerLost,
+        which Prefect retries where `retries=` says."""
+        from aisched_prefect.errors import SchedulerLost
+
+        adm = state.admission
+        started = state.dask_at if state.dask_at is not None else state.submitted
+        ran = time.monotonic() - started
+        held = held_by_account(state.holds)
+        cost = self.charges(adm, adm.priced_type, ran, None, state.holds)
+        charges = {b: min(v, held.get(b, 0.0)) for b, v in cost.items()}
+        address = getattr(getattr(self.client, "scheduler", None), "address", None) or "the Dask scheduler"
+        message = (f"the Dask scheduler ({address}) was lost while this run was on the cluster "
+                   f"({type(exc).__name__}); it was charged for at most {ran:.1f}s. Fix: retry it (retries=), and "
+                   "run the scheduler under a supervisor that restarts it")
+        self.settle(state, charges, {"outcome": "scheduler-lost", "error": message, "seconds": ran, "charges": charges})
+        logger.warning("AI task %s: %s", adm.task_name, message)
+        return Reply(status="failed", admission=adm.id, error_type="aisched_prefect.errors.SchedulerLost",
+                     error_message=message), cloudpickle.dumps(SchedulerLost(message))
+
+    def resubscribe(self) -> None:
+        """After a reconnect: the worker-death events and the queue's answers again (a new scheduler knows neither)."""
+        self.client.subscribe_topic(DIED_TOPIC, self._on_worker_died)
+        self.client._stream_handlers[PLACED_STREAM_OP] = self._on_placed
 
     def _place_gang(self, state: Running) -> Placement | None:
         """The queue is off: whole workers for a gang, once enough of them are idle (one gang looks at a time)."""
@@ -794,6 +824,12 @@ def base_payload(adm: Admission) -> dict[str, Any]:
     return {"task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant,
             "request": adm.request.model_dump(mode="json"), "chain": adm.chain, "grant": adm.chain[-1] if adm.chain else None,
             "admission": adm.id, **({"approval_digest": adm.approval_digest} if adm.approval_digest else {})}
+
+
+def _scheduler_gone(exc: BaseException, client: Client) -> bool:
+    """Whether `exc` is Dask cancelling a run because the client lost its scheduler (not a stop of ours)."""
+    return "scheduler-connection-lost" in f"{exc!r} {exc}" or (
+        type(exc).__name__ in ("CancelledError", "FutureCancelledError") and client.status != "running")
 
 
 def _crashed(adm: Admission, exc: BaseException) -> Reply:

@@ -146,6 +146,8 @@ class ControlPlane:
         self._flight_lock = threading.Lock()
         self._in_flight: dict[str, tuple[int, int]] = {}  # credential id -> (runs, body bytes) accepted, not ended
         self._stack = ExitStack()
+        self._lost_at: float | None = None  # when the Dask scheduler stopped answering (None: it answers)
+        self._dask_address = dask_address or ""
         try:
             self.key = load_or_make_key(key_path or settings.home / "control.key")
             self.signer = TicketSigner(self.key)
@@ -170,6 +172,9 @@ class ControlPlane:
                 self.client = Client(self.cluster.scheduler_address, set_as_default=False,
                                      security=tls.security("client"))
             self._stack.callback(self.client.close)
+            self._dask_address = self.client.scheduler.address
+            # Dask's client reconnects for `timeout` (30 s) and then closes for good; the plane keeps trying.
+            self.client._timeout = settings.scheduler_reconnect_seconds
             install_registry(self.client)
             install_limits(self.client)  # per-model call limits, where the queue lives
             self.queue = queue
@@ -191,6 +196,7 @@ class ControlPlane:
                 chores.append((settings.checkpoint_seconds, self.checkpoint_if_moved))
             if queue:  # a scheduler that restarted (its queue installed afresh by its preload) gets the weights back
                 chores.append((settings.queue_sync_seconds, self._set_queue_weights))
+            chores.append((1.0, self.watch_scheduler))
             self.watcher = Watcher(self.dispatcher, self.state, settings, heartbeat=self.calls.heartbeat,
                                    periodic=chores)
             self.watcher.start()
@@ -279,6 +285,37 @@ class ControlPlane:
         if kind == "cluster":  # its tenant weights reach the queue now (model limits are read per call)
             self._set_queue_weights()
         return applied
+
+    def scheduler_state(self) -> dict[str, Any]:
+        """Whether the Dask scheduler answers now, and since when it has not (for /v1/health and doctor)."""
+        running = self.client.status == "running" and self.client.scheduler is not None
+        return {"connected": running, "address": self._dask_address,
+                **({} if running or self._lost_at is None else {"lost_for_seconds": round(time.time() - self._lost_at, 1)})}
+
+    def watch_scheduler(self) -> None:
+        """Notice a lost and a regained scheduler: a regained one (maybe a fresh process) gets the registry, the
+        limits, the queue and its weights again, and every run that waited in the old queue is queued again."""
+        running = self.client.status == "running"
+        if not running:
+            if self._lost_at is None:
+                self._lost_at = time.time()
+                logger.error("lost the Dask scheduler at %s: reconnecting (runs on it fail with SchedulerLost; "
+                             "waiting runs are queued again once it is back)", self._dask_address)
+            return
+        if self._lost_at is None:
+            return
+        logger.warning("the Dask scheduler at %s is back after %.0fs: installing the queue again and re-queueing "
+                       "%d waiting run(s)", self._dask_address, time.time() - self._lost_at, self.dispatcher.waiting())
+        try:
+            install_registry(self.client)
+            install_limits(self.client)
+            if self.queue:
+                self._set_queue_weights()
+            self.dispatcher.resubscribe()
+            self.dispatcher.reenter_waiting()
+            self._lost_at = None
+        except Exception:  # tried again at the next chore
+            logger.exception("could not set the scheduler up again; retrying")
 
     def tenant_weights(self) -> dict[str, float]:
         """The queue's tenant weights: every applied ClusterBlock's `tenant_weights`, the latest applied winning

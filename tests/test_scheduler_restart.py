@@ -1,0 +1,89 @@
+"""The Dask scheduler down for longer than Dask's own reconnect window (30 s), then back on its address.
+
+The control plane keeps reconnecting by itself, says while it is gone that the scheduler is lost (health 503,
+naming it), and once it is back installs the queue again; the attempt the scheduler died under fails with a reason
+naming the lost scheduler and is charged for the time it had, and Prefect's retry completes. Each attempt is one
+admission and one settlement in the evidence.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from prefect import flow
+
+from aisched_prefect import ai_task
+from tests.clusterprocs import ClusterProcs
+from tests.helpers import authority, budget
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+DOWN_SECONDS = 35.0  # past Dask's 30 s: a plain distributed.Client has closed for good by then
+
+
+def test_the_plane_reconnects_to_a_scheduler_that_was_down_past_dasks_window(tmp_path):
+    procs = ClusterProcs(tmp_path)
+    started = tmp_path / "started"
+    try:
+        address = procs.start_scheduler()
+        port = int(address.rsplit(":", 1)[1])
+        procs.start_worker("gpu-a", "2 GPUs, 80 GB, H100")
+        procs.wait_for_workers(1)
+        plane = procs.start_plane()
+        t = plane.tenant(authority(), budget())
+
+        @ai_task(gpus=1, gpu_type="H100", kind="inference", est_seconds=30, retries=1,
+                 retry_delay_seconds=DOWN_SECONDS + 15)
+        def step(path: str) -> str:
+            from pathlib import Path
+
+            first = not Path(path).exists()
+            Path(path).write_text("x")
+            if first:
+                time.sleep(60)  # the scheduler dies under this attempt
+            return "done"
+
+        @flow(task_runner=t.runner())
+        def survives() -> str:
+            return step(str(started))
+
+        out: dict = {}
+        runner = threading.Thread(target=lambda: out.setdefault("result", survives(return_state=True)))
+        runner.start()
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert time.monotonic() < deadline, "the first attempt never started"
+            time.sleep(0.1)
+        for name in ("scheduler", "gpu-a"):  # the scheduler dies; its workers go with it, as docs/how-to says
+            os.killpg(procs.procs[name].pid, signal.SIGKILL)
+            procs.procs[name].wait()
+        lost_at = time.monotonic()
+        while True:  # while it is gone, health says so, naming it
+            health = plane.request("GET", "/v1/health", token="")
+            if health.status_code == 503:
+                break
+            assert time.monotonic() - lost_at < 30, health.text
+            time.sleep(0.2)
+        assert address in health.json()["error"] and "does not answer" in health.json()["error"]
+        time.sleep(max(0.0, DOWN_SECONDS - (time.monotonic() - lost_at)))
+        procs.start_scheduler(port)
+        procs.start_worker("gpu-a", "2 GPUs, 80 GB, H100")
+        procs.wait_for_workers(1, timeout=120)
+        runner.join(timeout=240)
+        state = out["result"]
+        assert state.is_completed(), state
+        assert state.result() == "done"
+        assert plane.request("GET", "/v1/health", token="").status_code == 200
+        records = plane.records(str(state.state_details.flow_run_id))
+        kinds = [r.kind for r in records]
+        assert kinds == ["admission", "settlement", "admission", "settlement"], kinds
+        lost, done = [r for r in records if r.kind == "settlement"]
+        assert lost.payload["outcome"] == "scheduler-lost" and address in lost.payload["error"], lost.payload
+        assert 0 < lost.payload["seconds"] < 60  # charged for the time it had, not its whole hold
+        assert done.payload["outcome"] == "completed"
+    finally:
+        procs.close()
