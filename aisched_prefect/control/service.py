@@ -31,7 +31,7 @@ from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
 from aisched_prefect.control.approvals import ApprovalBook, ApprovalError
 from aisched_prefect.control import records
-from aisched_prefect.control.calls import CallBook, CallTakenOver
+from aisched_prefect.control.calls import CallBook, CallTakenOver, call_key
 from aisched_prefect.control.dispatch import Dispatcher, denied, emit_budget_alert
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
@@ -376,7 +376,8 @@ class ControlPlane:
         if owner != _who(cred):
             raise Unauthorized(f"flow run {meta.flow_run_id} belongs to {owner!r}: a flow files its calls under its "
                                "own flow run", 403)
-        key = f"{meta.task_run_id}/{meta.attempt}" + (f"/{meta.admission}" if meta.admission else "")
+        self._own_task_run(cred, meta.task_run_id)
+        key = call_key(_who(cred), meta.task_run_id, meta.attempt, meta.admission)
         claim, row = self.calls.claim(key)
         filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
         if claim == "busy":
@@ -670,6 +671,13 @@ class ControlPlane:
     def flow_run_records(self, caller: Credential, flow_run_id: str) -> list[Any]:
         self._own_flow_run(caller, flow_run_id)
         return self.ledger.records(flow_run_id)
+
+    def _own_task_run(self, caller: Credential, task_run_id: str) -> None:
+        """A call under a task run id another principal called under is refused: its replies are that principal's."""
+        owner = self.calls.task_owner(task_run_id, _who(caller))
+        if owner != _who(caller):
+            raise Unauthorized(f"task run {task_run_id} belongs to another principal: a flow files its calls under "
+                               "its own task runs", 403)
 
     def _own_flow_run(self, caller: Credential, flow_run_id: str) -> None:
         """A flow reads and publishes only the flow runs it made its calls under (operators: any)."""
