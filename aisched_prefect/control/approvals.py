@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from aisched_prefect.approvals import ApprovalDecision, batch_digest, request_digest, signature_valid
 from aisched_prefect.control import stages
-from aisched_prefect.control.admission import Admission
+from aisched_prefect.control.admission import Admission, mark_version_seen
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.errors import AdmissionDenied, AISchedError
@@ -377,7 +377,9 @@ class ApprovalBook:
                                 {"task": view.task_name, "approved_by": view.approved_by}):
             raise AdmissionDenied("approval", f"approval {approval_id} already allowed one execution",
                                   "run the flow again to ask again")
-        return view, self.admission(approval_id)
+        admission = self.admission(approval_id)
+        mark_version_seen(self.ledger, admission)  # its code was asked about and approved: seen from now on
+        return view, admission
 
 
 def _signed_approval(records: list[Any], approval_id: str, trusted: list[bytes]) -> bool:

@@ -372,6 +372,7 @@ class ControlPlane:
             raise InvalidAIRequest("args_offset is outside the body: the call is malformed")
         payload_digest = digest(blob)
         args_digest = digest(blob[meta.args_offset:])
+        function_digest = digest(blob[:meta.args_offset])  # the code identity, from the bytes received (never unpickled)
         owner = self.calls.owner(meta.flow_run_id, _who(cred))
         if owner != _who(cred):
             raise Unauthorized(f"flow run {meta.flow_run_id} belongs to {owner!r}: a flow files its calls under its "
@@ -400,7 +401,8 @@ class ControlPlane:
                     self.calls.admitted(key, adm.model_dump(mode="json"), conn)
                     filed.append(adm.id)
 
-                admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds)
+                admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds,
+                                        function_digest)
         except _Early as early:
             self.calls.done(key, early.reply.model_dump(mode="json"))
             return early.reply, b""
@@ -416,13 +418,14 @@ class ControlPlane:
         return reply, out
 
     def _admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str,
-               args_digest: str, on_admitted: Callable[[Any, Admission], None]) -> Admission:
+               args_digest: str, on_admitted: Callable[[Any, Admission], None], function_digest: str) -> Admission:
         """A new admission (`on_admitted` files it with the call in the transaction that holds its budget), or the
         one an approval allows; an outcome that ends the call here raises _Early."""
         try:
             if meta.admission is not None:
                 return self._continue(cred, meta, payload_digest)
-            return self.admitter.admit(cred, meta, request, payload_digest, args_digest, meta.approver, on_admitted)
+            return self.admitter.admit(cred, meta, request, payload_digest, args_digest, meta.approver, on_admitted,
+                                       function_digest)
         except AdmissionDenied as exc:
             raise _Early(denied(exc.stage, exc.reason, exc.fix)) from None
         except ApprovalNeeded as need:
