@@ -18,7 +18,7 @@ from typing import Any
 
 import cloudpickle
 
-from aisched_prefect.approvals import ApprovalInput
+from aisched_prefect.approvals import ApprovalInput, parameters_summary
 from aisched_prefect.client import ControlPlaneClient, ControlPlaneError
 from aisched_prefect.config import RunnerConfig
 from aisched_prefect.embedded import EmbeddedControlPlane
@@ -171,6 +171,7 @@ class RunnerSession:
                         run_key=run_key or f"{flow_run_id}/{task_run_id}", request=request.model_dump(mode="json"),
                         code_digest=code_digest(fn), modules=modules,
                         args_offset=len(fn_bytes), grant=self.config.grant, attempt=attempt,
+                        parameters=parameters_summary(fn, args, kwargs),
                         approver="policy" if self.config.approver == "policy" else "pause")
         reply, out = self.client.call(meta, blob)
         while reply.status == "approval-pending":

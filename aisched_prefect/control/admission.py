@@ -169,7 +169,7 @@ class Admitter:
                 run_key=meta.run_key, task_name=meta.task_name, parameters=args_digest, request=payload["request"],
                 est_cost=estimate.amount, currency=bound.budget.model.currency, rule=outcome.rule),
                 approvals_required=outcome.approvals_required, require_signature=outcome.require_signature,
-                timeout_seconds=outcome.timeout_seconds)
+                timeout_seconds=outcome.timeout_seconds, parameters=meta.parameters)
             found = self.existing_approval(meta.flow_run_id, payload["approval_digest"]) if self.existing_approval else None
             if found is not None:  # the re-run of a suspended run: its request holds its answer; nothing more is held
                 raise ApprovalNeeded(Admission(
