@@ -325,7 +325,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
             cred = await run(plane.authenticate, form.get("token", ""), "approver", "operator")
         except Unauthorized as exc:
             return HTMLResponse(_sign_in(approval_id, f"Not signed in: {exc}"), status_code=401)
-        response = Response(status_code=303, headers={"location": f"/approve/{approval_id}"})
+        response = Response(status_code=303, headers={"location": f"/approve/{quote(approval_id, safe='')}"})
         response.set_cookie(SESSION_COOKIE, sessions.make(cred.id), max_age=int(SESSION_SECONDS), httponly=True,
                             samesite="lax", path="/approve",
                             secure=request.url.scheme == "https" or plane.base_url.startswith("https://"))
