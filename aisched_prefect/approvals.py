@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from prefect.input import RunInput
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 
 def approval_digest(*, run_key: str, task_name: str, parameters: str | None, request: dict[str, Any],
@@ -82,6 +82,34 @@ def signature_valid(public_hex: str, digest: str, decision: ApprovalDecision) ->
         return False
 
 
+def parameters_summary(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, str]:
+    """Each argument of a call by name, as short text an approver reads (at most 32, each at most 200 characters).
+
+    >>> def train(data, lr=0.1, *, steps=10): ...
+    >>> parameters_summary(train, ("s3://bucket/set",), {"steps": 500})
+    {'data': "'s3://bucket/set'", 'lr': '0.1', 'steps': '500'}
+    """
+    import inspect
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxstring, short.maxother, short.maxlist, short.maxdict = 120, 120, 8, 8
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+        bound.apply_defaults()
+        items = list(bound.arguments.items())
+    except (TypeError, ValueError):
+        items = [*((f"arg{i}", a) for i, a in enumerate(args)), *kwargs.items()]
+    out = {}
+    for name, value in items[:32]:
+        try:
+            text = short.repr(value)
+        except Exception:
+            text = f"<{type(value).__name__}>"
+        out[str(name)[:100]] = text[:200]
+    return out
+
+
 class ApprovalDecision(BaseModel):
     """A decision, who made it, and their signature if they signed it."""
 
@@ -96,9 +124,9 @@ class ApprovalDecision(BaseModel):
 
 
 class ApprovalInput(RunInput):
-    """The form of a paused run. Only what a person fills in; the answer that counts is given on the control
-    plane's page linked in the description (Prefect cannot tell who typed into this form)."""
+    """The form of a paused run: the request (its description) and the link to the control plane's page, and no
+    field to fill in. Prefect cannot tell who typed into a form, so it offers no Approve toggle that would count for
+    nothing; the answer that counts is given on the page. Whatever someone sends through Prefect's API anyway is
+    kept (`extra="allow"`), so the control plane records it as not counted."""
 
-    approve: bool = Field(description="Tick to approve the run, leave unticked to reject it.")
-    approver: str = Field(min_length=1, description="Who is deciding (must not be the requesting principal).")
-    reason: str = Field(default="", description="Why.")
+    model_config = ConfigDict(extra="allow")

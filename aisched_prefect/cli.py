@@ -628,12 +628,20 @@ def approvals_list(as_json: bool = typer.Option(False, "--json"), control_plane:
         return
     now = time.time()
     for r in rows:
+        r["id"] = r["id"][:8]  # a unique prefix: approve and reject take it (--json shows whole ids)
         r["left"] = f"{max(r['deadline'] - now, 0):.0f}s"
         r["approvals"] = f"{len(r['approved_by'])}/{r['approvals_required']}"
         r["cost"] = f"{r['est_cost']:.4f} {r['currency']}"
         r["digest"] = r["digest"][:16]
     console.print(_table("waiting for approval", rows, ["id", "task_name", "principal", "rule", "cost", "approvals",
-                                                        "left", "status", "digest", "url"]))
+                                                        "left", "status", "digest"]))
+
+
+@approvals_app.command("link")
+def approvals_link(approval_id: str, approver: str = typer.Option(..., "--for", help="The approver the link is for."),
+                   control_plane: Optional[str] = PlaneOpt, token_file: Optional[str] = TokenOpt) -> None:
+    """A one-time link for one approver to answer one request (operators): hand it to that person alone."""
+    typer.echo(_plane(control_plane, token_file).post(f"/v1/approvals/{approval_id}/links", {"approver": approver})["url"])
 
 
 def _answer(approval_id: str, approve: bool, approver: Optional[str], reason: str, key: Optional[str],
@@ -655,13 +663,14 @@ def _answer(approval_id: str, approve: bool, approver: Optional[str], reason: st
 
 
 def _public_view(plane: "ControlPlaneClient", approval_id: str) -> dict:
-    import re
+    """What a signed answer signs, without a credential: the request's digest (nothing else about the run)."""
+    from aisched_prefect.client import ControlPlaneError
 
-    page = plane._send("GET", f"/approve/{approval_id}").text
-    m = re.search(r"<th>digest</th><td>([0-9a-f]{64})</td>", page)
-    if not m:
-        _fail(f"no approval {approval_id}", "see `aisched approvals list`")
-    return {"digest": m.group(1)}
+    try:
+        return plane.get(f"/v1/approvals/{approval_id}/digest")
+    except ControlPlaneError as exc:
+        _fail(f"no approval {approval_id} ({exc})", "see `aisched approvals list`")
+        raise
 
 
 def _load_key(path: str) -> Any:

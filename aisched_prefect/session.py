@@ -19,7 +19,7 @@ from typing import Any
 
 import cloudpickle
 
-from aisched_prefect.approvals import ApprovalInput
+from aisched_prefect.approvals import ApprovalInput, parameters_summary
 from aisched_prefect.client import ControlPlaneClient, ControlPlaneError
 from aisched_prefect.config import RunnerConfig
 from aisched_prefect.embedded import EmbeddedControlPlane
@@ -195,6 +195,7 @@ class RunnerSession:
                         run_key=run_key or f"{flow_run_id}/{task_run_id}", request=request.model_dump(mode="json"),
                         code_digest=digest, modules=modules,
                         args_offset=len(fn_bytes), grant=self.config.grant, attempt=attempt,
+                        parameters=parameters_summary(fn, args, kwargs),
                         approver="policy" if self.config.approver == "policy" else "pause")
         reply, out = await self.stream.call(meta, fn_bytes, args_bytes)
         while reply.status == "approval-pending":

@@ -12,7 +12,7 @@ control plane reads the metadata and never unpickles either blob.
 from __future__ import annotations
 
 import struct
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,6 +52,9 @@ class CallMeta(BaseModel):
     approver: Literal["pause", "policy"] = "pause"
     admission: str | None = None  # continue this admission once its approval is decided
     attempt: int = Field(default=1, ge=1)
+    parameters: dict[str, Annotated[str, Field(max_length=200)]] = Field(default_factory=dict, max_length=32)
+    """A short text of each argument, for the approver to read (what the flow says; the approval binds the arguments'
+    bytes by digest)."""
 
 
 class ApprovalView(BaseModel):
@@ -73,6 +76,7 @@ class ApprovalView(BaseModel):
     timeout_seconds: int
     approvals_required: int = 1
     require_signature: bool = False
+    parameters: dict[str, str] = {}
     approved_by: list[str] = []
     decided_by: str | None = None
     reason: str = ""

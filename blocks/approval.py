@@ -28,7 +28,9 @@ class ApprovalRule(BaseModel):
     gpu_types: list[str] | None = Field(default=None, description="Matches runs on these GPU types.")
     models: list[str] | None = Field(default=None, description="Matches runs of these models.")
     principals: list[str] | None = Field(default=None, description="Matches runs of these principals.")
-    new_flow_version: bool = Field(default=False, description="Matches only runs of a flow version that has never had a run admitted.")
+    new_flow_version: bool = Field(default=False, description="Matches only runs of code never admitted before: the "
+                                   "digest of the function's bytes the control plane received, per flow (a call with "
+                                   "no flow name always matches).")
     hours_utc: str | None = Field(default=None, description="Matches runs asked for between these UTC hours, e.g. '18-8' (6 pm to 8 am).")
     approvals_required: int = Field(default=1, ge=1, le=10, description="'ask': how many different approvers must approve (k of n).")
     timeout_seconds: int | None = Field(default=None, gt=0, description="'ask': how long to wait; silence past it denies. Empty: the policy's.")
@@ -106,6 +108,16 @@ policy = ApprovalPolicyBlock.load("BLOCK_NAME")
 
     rules: list[ApprovalRule] = Field(default_factory=list, description="Rules in order; the first that matches a run decides.")
     timeout_seconds: int = Field(default=3600, gt=0, description="How long a run waits for a person; silence past it denies the run.")
+    approval_hook: str | None = Field(
+        default=None, description="An http(s) URL the control plane posts each request to, with a one-time link for "
+        "each approver who may approve it (a chat or mail bridge delivers each link to its approver alone).")
+
+    @field_validator("approval_hook")
+    @classmethod
+    def _hook_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"approval_hook={v!r}: give an http(s) URL the control plane can post each request to")
+        return v
 
     @property
     def watches_flow_versions(self) -> bool:

@@ -128,17 +128,32 @@ def test_a_person_approves_from_the_prefect_ui_on_the_control_planes_page(contro
             dialog.get_by_text("Approve AI task").wait_for(timeout=30_000)
             link = dialog.locator(f"a[href*='{control_plane.url}/approve/']").first
             link.wait_for(timeout=30_000)
+            # The form shows the request and the link only: no Approve toggle, no field that would count for nothing.
+            assert dialog.locator("input, textarea, select, [role=switch], [role=checkbox]").count() == 0
             dialog.screenshot(path=str(shots / "approval-form.png"))
             href = link.get_attribute("href")
             assert href and href.startswith(f"{control_plane.url}/approve/"), href
-            # Follow the link as a person does (the UI may open it in a new tab).
+            approval_id = href.rsplit("/", 1)[1]
+            # Bob got a one-time link from the approval hook (here an operator makes it): it opens the request.
+            bobs = control_plane.ok("POST", f"/v1/approvals/{approval_id}/links", json={"approver": "bob"})["url"]
+            link_page = context.new_page()
+            link_page.goto(bobs)
+            link_page.get_by_text("this link was made for bob").wait_for(timeout=10_000)
+            link_page.screenshot(path=str(shots / "approval-link.png"), full_page=True)
+            link_page.close()
+            # Follow the form's link as a person does (the UI may open it in a new tab): a sign-in, nothing shown.
             with context.expect_page(timeout=10_000) as opened:
                 link.click()
             approve_page = opened.value
             approve_page.wait_for_load_state()
             assert approve_page.url == href
+            assert "finetune" not in approve_page.content()
+            approve_page.get_by_label("Approver credential").fill(alice)
+            approve_page.screenshot(path=str(shots / "approval-signin.png"))
+            approve_page.get_by_role("button", name="Sign in").click()
             approve_page.get_by_text("Approve AI task finetune?").wait_for(timeout=10_000)
-            approve_page.get_by_label("Your approver credential").fill(alice)
+            approve_page.get_by_text("signed in as alice").wait_for(timeout=10_000)
+            assert "1 H100 GPU" in approve_page.content()
             approve_page.get_by_label("Reason").fill("eval numbers look right; go")
             approve_page.screenshot(path=str(shots / "approval-page.png"), full_page=True)
             approve_page.get_by_role("button", name="Approve").click()

@@ -45,8 +45,10 @@ def test_an_approver_answers_on_the_control_planes_page_and_the_run_completes(co
     described = form_description(g.paused())
     assert "Approve AI task `finetune`?" in described and view.url in described
     assert "An answer typed into this Prefect form is not counted" in described
-    page = control_plane.http.get(f"/approve/{view.id}").text
-    assert "Approve AI task finetune?" in page and PRINCIPAL in page and 'name="token"' in page
+    visitor = control_plane.http.get(f"/approve/{view.id}")  # no link, no sign-in: nothing of the run, a sign-in
+    assert visitor.status_code == 401 and "finetune" not in visitor.text and PRINCIPAL not in visitor.text
+    page = control_plane.http.get(f"/approve/{view.id}", headers={"authorization": f"Bearer {alice}"}).text
+    assert "Approve AI task finetune?" in page and PRINCIPAL in page and 'name="decision"' in page
     assert "Recorded: alice approved." in page_answer(control_plane, view.id, alice, reason="nightly retrain")
     assert g.outcome() == "trained"
     records = g.records()
@@ -58,8 +60,8 @@ def test_an_approver_answers_on_the_control_planes_page_and_the_run_completes(co
     assert d["approval_rule"] == TRAINING_RULE and d["approver_chains"] == {"alice": ["alice-approves"]}
     assert records[3].payload["approval"] == "alice"
     assert control_plane.ledger().verify().ok
-    after = control_plane.http.get(f"/approve/{view.id}").text
-    assert "consumed" in after and 'name="token"' not in after  # decided: nothing left to answer
+    after = control_plane.http.get(f"/approve/{view.id}", headers={"authorization": f"Bearer {alice}"}).text
+    assert "consumed" in after and 'name="decision"' not in after  # decided: nothing left to answer
 
 
 def test_a_rejection_on_the_page_denies_and_voids_the_hold(control_plane):

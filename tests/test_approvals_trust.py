@@ -313,9 +313,10 @@ def test_a_map_asks_once_for_the_batch_and_records_a_decision_per_item(control_p
     views = g.waiting(3)
     g.paused()
     first, others = views[0], [v.id for v in views[1:]]
-    page = control_plane.http.get(f"/approve/{first.id}").text
+    alice = control_plane.approver("alice", t.authority)
+    page = control_plane.http.get(f"/approve/{first.id}", headers={"authorization": f"Bearer {alice}"}).text
     assert "Also waiting in this flow run" in page and all(f'value="{i}" checked' in page for i in others)
-    said = page_answer(control_plane, first.id, control_plane.approver("alice", t.authority), items=tuple(others))
+    said = page_answer(control_plane, first.id, alice, items=tuple(others))
     assert "Recorded: alice approved 3 runs." in said
     assert g.outcome() == ["trained at 0.1", "trained at 0.2", "trained at 0.3"]
     assert g.pauses() == 1  # one pause, one answer

@@ -64,3 +64,18 @@ def test_an_admitted_call_that_failed_on_its_replica_is_continued_not_admitted_a
     assert claim == "takeover" and row.admission == {"id": "7"}
     with ledger.engine.connect() as conn:
         assert conn.execute(sa.select(calls.c.replica).where(calls.c.key == key)).scalar_one() == a.replica
+
+
+def test_a_task_run_belongs_to_its_first_caller_and_keys_name_the_caller(ledger_url):
+    """Task run ids are readable in Prefect: the first principal to call under one owns it (on every replica), and
+    two callers' keys for the same task run and attempt never meet, so a stored reply goes back only to its caller."""
+    from aisched_prefect.control.calls import call_key
+
+    ledger = Ledger(ledger_url)
+    a, b = CallBook(ledger, _name("a"), "http://a"), CallBook(ledger, _name("b"), "http://b")
+    run = _name("tr")
+    assert a.task_owner(run, "auth:team-b/etl") == "auth:team-b/etl"
+    assert b.task_owner(run, "auth:team-a/nightly") == "auth:team-b/etl"  # another replica, from the database
+    assert call_key("auth:team-a/nightly", run, 2) != call_key("auth:team-b/etl", run, 2)
+    assert call_key("x:p", run, 1) == call_key("x:p", run, 1) != call_key("x:p", run, 1, "7")
+    assert len(call_key("a" * 400, "t" * 64, 99, "9" * 20)) <= 300  # fits the key column, whatever the names

@@ -10,6 +10,7 @@ request that holds the budget until a person answers.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from typing import Any, Callable
@@ -56,7 +57,8 @@ class Admission(BaseModel):
     shares: dict[str, float] = {}
     priority: int = 0
     payload_digest: str
-    code_digest: str
+    code_digest: str  # what the flow says its function's code hashes to (the body checks it); never trusted here
+    function_digest: str = ""  # sha256 of the function's pickled bytes as received, computed by the control plane
     versions: dict[str, str] = {}
     approval: str | None = None
     approval_digest: str | None = None
@@ -70,6 +72,28 @@ class Admission(BaseModel):
     @property
     def ids(self) -> dict[str, Any]:
         return {"flow_run_id": self.flow_run_id, "task_run_id": self.task_run_id, "principal": self.principal}
+
+
+def version_scope(authority: str | None, tenant: str, flow: str) -> str:
+    """The name code versions are remembered under: the flow's name within one authority and tenant (another
+    tenant's approval of the same bytes is not this tenant's), at most 200 characters."""
+    scope = hashlib.sha256(f"{authority}\n{tenant}\n{flow}".encode()).hexdigest()[:16]
+    return f"{flow[:150]}#{scope}"
+
+
+def mark_version_seen(ledger: Ledger, admission: Admission) -> list[tuple[str, str]]:
+    """Remember that this admission's code ran (admitted without asking, or its approval used): the
+    `new_flow_version` rule does not ask again for the same bytes of the same flow. Never for a call without a
+    flow name or a digest. A failure is logged, not raised (its holds are taken; unmarked, it asks again)."""
+    if not admission.facts.first_of_version or not admission.flow_name or not admission.function_digest:
+        return []
+    key = (version_scope(admission.authority, admission.tenant, admission.flow_name), admission.function_digest)
+    try:
+        ledger.mark_flow_version(*key)
+    except Exception:
+        logger.exception("could not mark flow %s version %s as seen", admission.flow_name, admission.function_digest)
+        return []
+    return [key]
 
 
 class ApprovalNeeded(Exception):
@@ -95,11 +119,14 @@ class Admitter:
         return AdmissionDenied(stage, reason, fix)
 
     def admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str, args_digest: str,
-              approver: str = "pause", on_admitted: Callable[[Any, Admission], None] | None = None) -> Admission:
+              approver: str = "pause", on_admitted: Callable[[Any, Admission], None] | None = None,
+              function_digest: str = "") -> Admission:
         """Admit one call, or raise AdmissionDenied (recorded) or ApprovalNeeded (budget held, request recorded).
 
         `on_admitted(conn, admission)` runs in the transaction that takes an admitted call's holds (not a call
-        that waits for a person): what it writes there is committed with them."""
+        that waits for a person): what it writes there is committed with them. `function_digest`: the digest of
+        the function's pickled bytes this control plane computed from the call's body (the code identity the
+        `new_flow_version` rule keys on; empty: unknown, so the code counts as new)."""
         snap = self.state.refresh()
         ids = {"flow_run_id": meta.flow_run_id, "task_run_id": meta.task_run_id, "principal": cred.principal}
         if self.state.broken is not None:  # fail closed: authority read from a log that was tampered with is no authority
@@ -108,7 +135,7 @@ class Admitter:
                             "evidence verify --checkpoint DIR) and restores it", {"task": meta.task_name}, ids)
         payload: dict[str, Any] = {"task": meta.task_name, "flow": meta.flow_name, "tenant": cred.tenant,
                                    "request": request.model_dump(mode="json"), "code_digest": meta.code_digest,
-                                   "payload_digest": payload_digest, "credential": cred.id, "replica": self.replica}
+                                   "function_digest": function_digest, "payload_digest": payload_digest, "credential": cred.id, "replica": self.replica}
         try:
             bound = stages.configuration(snap, cred)
             payload.update(authority=bound.authority.ref, budget=bound.budget.ref,
@@ -117,8 +144,8 @@ class Admitter:
             estimate = stages.pricing(bound.budget, request, types)
             payload["estimate"] = estimate.model_dump()
             facts = RunFacts(
-                principal=cred.principal, tenant=cred.tenant, flow=meta.flow_name, flow_version=meta.code_digest[:16],
-                first_of_version=self._first_of_version(bound, meta.flow_name, meta.code_digest[:16]),
+                principal=cred.principal, tenant=cred.tenant, flow=meta.flow_name, flow_version=function_digest[:16] or None,
+                first_of_version=self._first_of_version(bound, cred, meta.flow_name, function_digest),
                 kind=request.kind, model=request.model, gpus=request.gpus, gpu_types=tuple(types),
                 est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount)
             chain = stages.authority(snap, bound, facts, meta.grant)
@@ -142,7 +169,7 @@ class Admitter:
                 run_key=meta.run_key, task_name=meta.task_name, parameters=args_digest, request=payload["request"],
                 est_cost=estimate.amount, currency=bound.budget.model.currency, rule=outcome.rule),
                 approvals_required=outcome.approvals_required, require_signature=outcome.require_signature,
-                timeout_seconds=outcome.timeout_seconds)
+                timeout_seconds=outcome.timeout_seconds, parameters=meta.parameters)
             found = self.existing_approval(meta.flow_run_id, payload["approval_digest"]) if self.existing_approval else None
             if found is not None:  # the re-run of a suspended run: its request holds its answer; nothing more is held
                 raise ApprovalNeeded(Admission(
@@ -151,7 +178,8 @@ class Admitter:
                     flow_name=meta.flow_name, run_key=meta.run_key, request=request, workers=workers, holds=[],
                     reserved=estimate.amount, priced_type=estimate.gpu_type_priced, chain=payload["chain"],
                     expires_at=stages.earliest_expiry(chain), facts=facts, shares=shares, priority=priority,
-                    payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
+                    payload_digest=payload_digest, code_digest=meta.code_digest, function_digest=function_digest,
+                    versions=bound.versions,
                     approval=found, approval_digest=payload["approval_digest"]), found, existing=True)
         approval_id = uuid.uuid4().hex if asking else None
 
@@ -162,7 +190,8 @@ class Admitter:
                 flow_name=meta.flow_name, run_key=meta.run_key, request=request, workers=workers, holds=held,
                 reserved=estimate.amount, priced_type=estimate.gpu_type_priced, chain=payload["chain"],
                 expires_at=stages.earliest_expiry(chain), facts=facts, shares=shares, priority=priority,
-                payload_digest=payload_digest, code_digest=meta.code_digest, versions=bound.versions,
+                payload_digest=payload_digest, code_digest=meta.code_digest, function_digest=function_digest,
+                    versions=bound.versions,
                 approval=approval_id, approval_digest=payload.get("approval_digest"))
 
         file_with_holds = (None if asking or on_admitted is None else
@@ -179,12 +208,8 @@ class Admitter:
         except InvalidLedgerInput as exc:  # the ledger cannot book it (e.g. an account name too long): nothing held
             raise self.deny("budget", exc.reason, exc.fix, payload, ids) from None
         admission = build(held, record)  # the same admission the call was filed with (build is pure)
-        if facts.first_of_version and meta.flow_name:
-            try:  # the holds are taken and filed: a failure here must not fail the call (unmarked, it asks again)
-                self.ledger.mark_flow_version(meta.flow_name, facts.flow_version or "")
-                self._versions_seen.add((meta.flow_name, facts.flow_version or ""))
-            except Exception:
-                logger.exception("could not mark flow %s version %s as seen", meta.flow_name, facts.flow_version)
+        if not asking:  # code a person is asked about is seen once its approval is used (ApprovalBook.consume)
+            self._versions_seen.update(mark_version_seen(self.ledger, admission))
         if asking:
             raise ApprovalNeeded(admission, admission.approval or "")
         return admission
@@ -196,14 +221,18 @@ class Admitter:
         except AdmissionDenied:
             return stages.feasibility(request, self.inventories(True))
 
-    def _first_of_version(self, bound: stages.Bound, flow: str | None, version: str) -> bool:
-        """No run of this flow with this code was admitted yet; read only when a policy rule asks."""
-        if bound.policy is None or not bound.policy.model.watches_flow_versions or flow is None:
+    def _first_of_version(self, bound: stages.Bound, cred: Credential, flow: str | None, function_digest: str) -> bool:
+        """No run of this flow with these function bytes was admitted under this authority and tenant yet; read only
+        when a policy rule asks. A call without a flow name or a digest is new code: nothing it claims was seen."""
+        if bound.policy is None or not bound.policy.model.watches_flow_versions:
             return False
-        if (flow, version) in self._versions_seen:
+        if flow is None or not function_digest:
+            return True
+        key = (version_scope(bound.authority.name, cred.tenant, flow), function_digest)
+        if key in self._versions_seen:
             return False
-        if self.ledger.flow_version_seen(flow, version):
-            self._versions_seen.add((flow, version))
+        if self.ledger.flow_version_seen(*key):
+            self._versions_seen.add(key)
             return False
         return True
 

@@ -7,25 +7,40 @@ operator). Errors come back as `Problem` JSON naming what was wrong and the fix.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import html
 import json
+import os
 import time
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote, urlsplit
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from pydantic import BaseModel
 
 from aisched_prefect.approvals import ApprovalDecision
-from aisched_prefect.control.approvals import ApprovalError, budget_left
+from aisched_prefect.control.approvals import (
+    ApprovalError,
+    LinkHolder,
+    budget_left,
+    duration_in_words,
+    gpus_in_words,
+    time_left,
+)
+from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.service import ControlPlane, Unauthorized
 from aisched_prefect.errors import AISchedError, InvalidAIRequest
 from aisched_prefect.wire import FRAME, CallMeta, OutcomeOut, OutcomesOut, Problem, RunsIn, frame, unframe
 from blocks import ChainBroken, DelegationRefused
 
 THREADS = 2000  # calls wait (on Dask, on people) in threads: one per call in flight
+SESSION_COOKIE = "aisched_session"
+SESSION_SECONDS = 8 * 3600.0
 
 
 class AnswerIn(BaseModel):
@@ -35,6 +50,10 @@ class AnswerIn(BaseModel):
     signature: str = ""
     signed_at: float = 0.0
     items: list[str] = []  # more requests of the same flow run answered together (a signature signs their batch digest)
+
+
+class LinkIn(BaseModel):
+    approver: str
 
 
 class IssueIn(BaseModel):
@@ -100,9 +119,88 @@ def _split_runs(head: RunsIn, blob: bytes) -> list[tuple[CallMeta, tuple[bytes, 
     return out
 
 
+def _form(body: bytes) -> tuple[dict[str, str], dict[str, list[str]]]:
+    lists = parse_qs(body.decode(errors="replace"), keep_blank_values=True)
+    return {k: v[-1] for k, v in lists.items()}, lists
+
+
+def _who_sees(viewer: Any) -> tuple[str, str]:
+    """How the page names its viewer: (how they are proved, who)."""
+    if isinstance(viewer, LinkHolder):
+        return ("used-link" if viewer.used else "link"), viewer.principal
+    return viewer.role, viewer.principal
+
+
+class Sessions:
+    """Sign-in cookies of the approval page: `<credential id>.<expiry>.<mac>`, the MAC keyed by the control plane's
+    signing key (so every replica reads them), checked against the credential as it is now (revoked: signed out)."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+        raw = plane.key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        self._key = hashlib.sha256(b"aisched-session/1\n" + raw).digest()
+
+    def _mac(self, body: str) -> str:
+        return hmac.new(self._key, body.encode(), hashlib.sha256).hexdigest()
+
+    def make(self, credential_id: str) -> str:
+        body = f"{credential_id}.{int(time.time() + SESSION_SECONDS)}"
+        return f"{body}.{self._mac(body)}"
+
+    def credential(self, cookie: str) -> Credential | None:
+        parts = cookie.split(".")
+        if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < time.time():
+            return None
+        if not hmac.compare_digest(parts[2], self._mac(f"{parts[0]}.{parts[1]}")):
+            return None
+        cred = self.plane.state.snapshot.credentials.get(parts[0]) or self.plane.state.refresh().credentials.get(parts[0])
+        return cred if cred is not None and not cred.revoked and cred.role in ("approver", "operator") else None
+
+
+def _own_origins(request: Request, base_url: str) -> set[str]:
+    own = {f"{request.url.scheme}://{request.url.netloc}"}
+    if base_url:
+        parts = urlsplit(base_url)
+        own.add(f"{parts.scheme}://{parts.netloc}")
+    return own
+
+
+def same_site(request: Request, base_url: str = "") -> bool:
+    """Whether a POST comes from this control plane's own pages (or from no browser at all): the browser's
+    Sec-Fetch-Site, else its Origin, else its Referer must say so. A script without any of them (the CLI, a flow's
+    client) is no cross-site request: forging one needs a victim's browser, and browsers send these headers."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site == "same-origin"
+    own = _own_origins(request, base_url)
+    origin = request.headers.get("origin")
+    if origin is not None:
+        return origin in own  # "null" (a sandboxed frame, a data: URL) is no origin of ours
+    referer = request.headers.get("referer")
+    if referer is not None:
+        parts = urlsplit(referer)
+        return f"{parts.scheme}://{parts.netloc}" in own
+    return True
+
+
 def build_app(plane: ControlPlane) -> FastAPI:
-    app = FastAPI(title="aisched control plane", docs_url=None, redoc_url=None)
+    # No /docs, /redoc or /openapi.json: the API's shape is in docs/reference, not served to any visitor.
+    app = FastAPI(title="aisched control plane", docs_url=None, redoc_url=None, openapi_url=None)
     limiter = anyio.CapacityLimiter(THREADS)
+    sessions = Sessions(plane)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Any) -> Response:
+        """Every POST from another site is refused; every answer carries headers that keep pages out of frames,
+        scripts and other sites' referrers."""
+        if request.method == "POST" and not same_site(request, plane.base_url):
+            response: Response = JSONResponse(Problem(
+                error="a cross-site request is refused: answer on the control plane's own page",
+                fix="open the approval page (its link) and answer there").model_dump(), status_code=403)
+        else:
+            response = await call_next(request)
+        response.headers.update(SECURITY_HEADERS)
+        return response
 
     async def run(fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
@@ -200,18 +298,38 @@ def build_app(plane: ControlPlane) -> FastAPI:
 
     @app.get("/v1/approvals")
     async def approvals(request: Request) -> list[dict[str, Any]]:
-        plane.authenticate(_token(request), "approver", "operator")
-        return [v.model_dump(mode="json") for v in await run(plane.approvals.pending)]
+        """The open requests this caller may see: all (operators), or those an approver may approve."""
+        cred = plane.authenticate(_token(request), "approver", "operator")
+        return [v.model_dump(mode="json") for v in await run(plane.approvals.pending)
+                if cred.role == "operator" or await run(plane.approvals.may_see, v.id, cred)]
 
     @app.get("/v1/approvals/{approval_id}")
     async def approval(approval_id: str, request: Request, wait: float = 0.0) -> dict[str, Any]:
         cred = plane.authenticate(_token(request))
+        approval_id = await run(plane.approvals.resolve, approval_id)
+        if cred.role == "approver" and not await run(plane.approvals.may_see, approval_id, cred):
+            raise Unauthorized("this approver may not approve this run (no grant with can_approve covers it)", 403)
         return (await run(plane.approval, cred, approval_id, wait)).model_dump(mode="json")
+
+    @app.get("/v1/approvals/{approval_id}/digest")
+    async def approval_digest(approval_id: str) -> dict[str, str]:
+        """Only what a signed answer signs (`aisched approve --key` without a credential): the request's digest, a
+        hash that tells nothing about the run."""
+        approval_id = await run(plane.approvals.resolve, approval_id)
+        return {"id": approval_id, "digest": (await run(plane.approvals.view, approval_id)).digest}
+
+    @app.post("/v1/approvals/{approval_id}/links")
+    async def approval_link(approval_id: str, body: LinkIn, request: Request) -> dict[str, str]:
+        """A one-time link for one approver and this request (operators: to hand it over themselves)."""
+        plane.authenticate(_token(request), "operator")
+        approval_id = await run(plane.approvals.resolve, approval_id)
+        return {"approver": body.approver, "url": await run(plane.approvals.make_link, approval_id, body.approver)}
 
     @app.post("/v1/approvals/{approval_id}/answer")
     async def answer(approval_id: str, body: AnswerIn, request: Request) -> dict[str, Any]:
         token = _token(request)
         caller = plane.authenticate(token) if token else None
+        approval_id = await run(plane.approvals.resolve, approval_id)
         decision = ApprovalDecision(approved=body.approve, approver=body.approver, reason=body.reason,
                                     channel="signed" if body.signature else "credential", signature=body.signature,
                                     signed_at=body.signed_at)
@@ -237,31 +355,100 @@ def build_app(plane: ControlPlane) -> FastAPI:
         others = plane.approvals.open_batch(approval_id)[1:] if view.status in ("pending", "suspended") else []
         return view.model_dump(mode="json"), left, [o.model_dump(mode="json") for o in others]
 
+    def _viewer(request: Request, approval_id: str, form: dict[str, str] | None = None) -> Credential | LinkHolder | None:
+        """Who is looking, proved: a one-time link made for this request (`?link=` or the form's), a sign-in
+        cookie, or a Bearer credential (or the form's `token`); None for a visitor without any of them."""
+        form = form or {}
+        link = form.get("link") or request.query_params.get("link")
+        if link:
+            return plane.approvals.link_holder(approval_id, link)
+        token = form.get("token") or _token(request)
+        if token:
+            try:
+                return plane.authenticate(token)
+            except Unauthorized:
+                return None
+        return sessions.credential(request.cookies.get(SESSION_COOKIE, ""))
+
+    def _visible(request: Request, approval_id: str, form: dict[str, str] | None = None) -> Any:
+        """The viewer if it may see this request, else None (an unknown id looks the same as one it may not see)."""
+        viewer = _viewer(request, approval_id, form)
+        try:
+            return viewer if viewer is not None and plane.approvals.may_see(approval_id, viewer) else None
+        except ApprovalError:
+            return None
+
     @app.get("/approve/{approval_id}", response_class=HTMLResponse)
-    async def page(approval_id: str) -> HTMLResponse:
-        return HTMLResponse(_page(*await run(_shown, approval_id)))
+    async def page(approval_id: str, request: Request) -> HTMLResponse:
+        """The request, for a visitor who may see it (its link, a sign-in, a credential); a sign-in form otherwise."""
+        approval_id = await run(plane.approvals.resolve, approval_id)
+        viewer = await run(_visible, request, approval_id)
+        if viewer is None:
+            return HTMLResponse(_sign_in(approval_id), status_code=401)
+        return HTMLResponse(_page(*await run(_shown, approval_id), viewer=_who_sees(viewer),
+                                  link=request.query_params.get("link", "") if isinstance(viewer, LinkHolder) else ""))
+
+    @app.post("/approve/{approval_id}/sign-in", response_class=HTMLResponse)
+    async def sign_in(approval_id: str, request: Request) -> Response:
+        """Sign in once with an approver's (or operator's) credential: a cookie the page then reads (HttpOnly,
+        SameSite=Lax, 8 hours, bound to this control plane's key); the credential is never shown or stored."""
+        form = _form(await request.body())[0]
+        try:
+            cred = await run(plane.authenticate, form.get("token", ""), "approver", "operator")
+        except Unauthorized as exc:
+            return HTMLResponse(_sign_in(approval_id, f"Not signed in: {exc}"), status_code=401)
+        response = Response(status_code=303, headers={"location": f"/approve/{quote(approval_id, safe='')}"})
+        response.set_cookie(SESSION_COOKIE, sessions.make(cred.id), max_age=int(SESSION_SECONDS), httponly=True,
+                            samesite="lax", path="/approve",
+                            secure=request.url.scheme == "https" or plane.base_url.startswith("https://"))
+        return response
 
     @app.post("/approve/{approval_id}", response_class=HTMLResponse)
     async def page_answer(approval_id: str, request: Request) -> HTMLResponse:
-        """The page's form: the approver's credential proves who answers (the name is never typed)."""
-        lists = parse_qs((await request.body()).decode(), keep_blank_values=True)
-        form = {k: v[-1] for k, v in lists.items()}
-        token, decision, reason = form.get("token", ""), form.get("decision", ""), form.get("reason", "")
+        """The page's form: who answers is who the link, the sign-in or the credential proves (never typed)."""
+        form, lists = _form(await request.body())
+        approval_id = await run(plane.approvals.resolve, approval_id)
+        decision, reason = form.get("decision", ""), form.get("reason", "")
+        viewer = await run(_visible, request, approval_id, form)
+        if viewer is None:
+            who = await run(_viewer, request, approval_id, form)
+            if isinstance(who, Credential):  # proved, but may not see it: why, and nothing of the run
+                why = await run(plane.approvals.why_not, approval_id, who, ApprovalDecision(
+                    approved=decision == "approve", approver=who.principal, reason=reason, channel="credential"))
+                return HTMLResponse(_sign_in(approval_id, f"Not counted: {why}"))
+            return HTMLResponse(_sign_in(approval_id, "Not counted: sign in, or open the link you were sent"), 401)
         items = [i for i in lists.get("item", []) if i != approval_id]  # the others ticked: answered together
+        link = form.get("link", "") if isinstance(viewer, LinkHolder) else ""
         try:
             if decision not in ("approve", "reject"):
                 raise ApprovalError("choose Approve or Reject")
-            caller = await run(plane.authenticate, token, "approver", "operator")
-            view = await run(plane.answer, caller, approval_id, ApprovalDecision(
-                approved=decision == "approve", approver=caller.principal, reason=reason, channel="credential"), items)
+            if isinstance(viewer, LinkHolder):
+                if items:
+                    raise ApprovalError("a link answers the one request it was made for: sign in to answer several")
+                if viewer.used:
+                    raise ApprovalError("this link was used already: it answers once")
+            elif viewer.role not in ("approver", "operator"):
+                raise ApprovalError(f"a {viewer.role} credential may not do this (needs approver or operator)")
+            answer = ApprovalDecision(approved=decision == "approve", approver=viewer.principal, reason=reason,
+                                      channel="link" if link else "credential")
+
+            def counted() -> Any:
+                if isinstance(viewer, LinkHolder):  # proved first, then spent, then counted: a refusal keeps the link
+                    plane.approvals.check(approval_id, answer, viewer)
+                    plane.approvals.use_link(viewer)
+                return plane.answer(viewer, approval_id, answer, items)  # type: ignore[arg-type]
+
+            view = await run(counted)
             verb = "approved" if decision == "approve" else "rejected"
-            counted = (f" ({len(view.approved_by)} of {view.approvals_required} approvals)"
-                       if view.status in ("pending", "suspended") else "")
+            count = (f" ({len(view.approved_by)} of {view.approvals_required} approvals)"
+                     if view.status in ("pending", "suspended") else "")
             runs = f" {1 + len(items)} runs" if items else ""
-            message = f"Recorded: {html.escape(caller.principal)} {verb}{runs}.{counted}"
+            message = f"Recorded: {html.escape(viewer.principal)} {verb}{runs}.{count}"
+            if isinstance(viewer, LinkHolder):
+                viewer, link = LinkHolder(viewer.principal, viewer.link_id, viewer.approval_id, True), ""
         except (Unauthorized, ApprovalError) as exc:
             message = f"Not counted: {html.escape(str(exc))}"
-        return HTMLResponse(_page(*await run(_shown, approval_id), message))
+        return HTMLResponse(_page(*await run(_shown, approval_id), message, viewer=_who_sees(viewer), link=link))
 
     @app.post("/v1/config/{kind}/{name}")
     async def apply(kind: str, name: str, body: dict[str, Any], request: Request) -> dict[str, Any]:
@@ -334,47 +521,105 @@ _STYLE = ("body{font:15px/1.45 system-ui,sans-serif;max-width:46rem;margin:2rem 
           ".batch th{width:auto}.message.refused{background:#fbeeee;border-color:#e8b4b4}.status{font-weight:600}.note{color:#5b6573;font-size:.9rem}")
 
 
+_STYLE += (".who{color:#5b6573;margin:.2rem 0 1rem}.signin{max-width:28rem}a{color:#1f6feb}"
+           ".left{font-weight:600}")
+_STYLE_HASH = base64.b64encode(hashlib.sha256(_STYLE.encode()).digest()).decode()
+SECURITY_HEADERS = {
+    # No script, no frame, no foreign resource: the pages are static HTML and one inline style (by its hash).
+    "content-security-policy": f"default-src 'none'; style-src 'sha256-{_STYLE_HASH}'; form-action 'self'; "
+                               "frame-ancestors 'none'; base-uri 'none'",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",  # a page's one-time link never leaves in a Referer
+    "x-content-type-options": "nosniff",
+    "cache-control": "no-store",
+}
+
+
 def _request(view: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in view["request"].items() if v not in (None, 0, 0.0, False))
 
 
-def _page(view: dict[str, Any], left: str = "", others: list[dict[str, Any]] | None = None, message: str = "") -> str:
-    """The approval page people open from the pause: what is asked, and a form whose credential proves who answers."""
+def prefect_ui() -> str | None:
+    """The Prefect UI's address, where the control plane knows it (PREFECT_UI_URL, else PREFECT_API_URL less /api)."""
+    ui = os.environ.get("PREFECT_UI_URL") or ""
+    if not ui and os.environ.get("PREFECT_API_URL"):
+        ui = os.environ["PREFECT_API_URL"].rstrip("/").removesuffix("/api")
+    return ui.rstrip("/") or None
+
+
+def _doc(title: str, body: str) -> str:
+    return (f'<!doctype html><html><head><meta charset="utf-8"><meta name="referrer" content="no-referrer">'
+            f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>{body}</body></html>")
+
+
+def _sign_in(approval_id: str, message: str = "") -> str:
+    """What a visitor without a link or credential sees: nothing of the request, a sign-in form."""
+    note = f'<p class="message refused">{html.escape(message)}</p>' if message else ""
+    return _doc("Approval request", (
+        f"<h1>Approval request</h1>{note}<p>Open the link you were sent for this request, or sign in as an approver "
+        "who may approve it. Nothing about the run is shown before that.</p>"
+        f'<form class="signin" method="post" action="/approve/{quote(approval_id, safe="")}/sign-in">'
+        '<label>Approver credential <input type="password" name="token" autocomplete="current-password" required>'
+        '</label><button type="submit">Sign in</button></form>'))
+
+
+def _page(view: dict[str, Any], left: str = "", others: list[dict[str, Any]] | None = None, message: str = "", *,
+          viewer: tuple[str, str] = ("", ""), link: str = "") -> str:
+    """The approval page, for a viewer who may see it: what is asked in words, and (while it is open) a form whose
+    link or sign-in proves who answers."""
     esc = html.escape
-    left_in = max(0, int(view["deadline"] - time.time()))
-    req = _request(view)
-    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in (
-        ("task", view["task_name"]), ("principal", view["principal"]), ("grant chain", " -> ".join(view["chain"])),
-        ("request", req), ("estimated cost", f"{view['est_cost']:.4f} {view['currency']}"),
-        ("budget left after the hold", left or "-"), ("rule", view["rule"]),
-        ("approvals needed", (f"{view['approvals_required']} different approvers" if view["approvals_required"] > 1
-                              else "1") + (", signed only" if view["require_signature"] else "")),
-        ("approved by", ", ".join(view["approved_by"]) or "nobody yet")))
-    rows += f'<tr><th>status</th><td class="status">{esc(view["status"])}' + (
-        f" ({left_in}s left: silence denies)" if view["status"] in ("pending", "suspended") else "") + "</td></tr>"
-    rows += f"<tr><th>digest</th><td>{esc(view['digest'])}</td></tr>"  # `aisched approve --key` reads it here
+    how, who = viewer
+    req = view["request"]
     open_ = view["status"] in ("pending", "suspended")
+    ui = prefect_ui()
+    flow_run = (f'<a href="{esc(ui)}/runs/flow-run/{esc(view["flow_run_id"])}" target="_blank" rel="noreferrer">'
+                f'{esc(view["flow_run_id"])}</a> (in the Prefect UI)' if ui else esc(view["flow_run_id"]))
+    what = req.get("kind", "") + (f" of {req['model']}" if req.get("model") else "")
+    runtime = duration_in_words(req["est_seconds"]) if req.get("est_seconds") else ""
+    params = view.get("parameters") or {}
+    shown_params = ", ".join(f"{k}={v}" for k, v in params.items()) if params else "(none given)"
+    rows = [("task", esc(view["task_name"]) + (f" ({esc(what)})" if what else "")), ("flow run", flow_run),
+            ("parameters", esc(shown_params) + ' <span class="note">as the flow describes them; the approval binds '
+             "the exact arguments by digest</span>"),
+            ("GPUs", esc(gpus_in_words(req))), ("expected runtime", esc(runtime or "-")),
+            ("estimated cost", esc(f"{view['est_cost']:.4f} {view['currency']}")),
+            ("budget left after the hold", esc(left or "-")), ("principal", esc(view["principal"])),
+            ("grant chain", esc(" -> ".join(view["chain"]))), ("request", esc(_request(view))),
+            ("rule", esc(str(view["rule"]))),
+            ("approvals needed", esc((f"{view['approvals_required']} different approvers" if view["approvals_required"] > 1
+                                      else "1") + (", signed only" if view["require_signature"] else ""))),
+            ("approved by", esc(", ".join(view["approved_by"]) or "nobody yet"))]
+    status = f'<span class="status">{esc(view["status"])}</span>'
+    if open_:
+        status += f' <span class="left">{esc(time_left(view["deadline"]))}</span>: silence denies'
+    rows.append(("status", status))
+    rows.append(("digest", f'<span class="digest">{esc(view["digest"])}</span>'))  # `aisched approve --key` signs it
+    table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
     batch = ""
-    if open_ and others:  # a .map() asks once: the other runs of this flow run waiting, answered together if ticked
+    if open_ and others and how in ("approver", "operator"):  # a .map() asks once: answered together if ticked
         total = view["est_cost"] + sum(o["est_cost"] for o in others)
         items = "".join(
-            f'<tr><td><input type="checkbox" name="item" value="{esc(o["id"])}" checked></td><td>{esc(o["id"])}</td>'
-            f'<td>{esc(o["task_name"])}</td><td>{esc(_request(o))}</td><td>{o["est_cost"]:.4f} {esc(o["currency"])}</td>'
-            f'<td class="digest">{esc(o["digest"][:16])}</td></tr>' for o in others)
+            f'<tr><td><input type="checkbox" name="item" value="{esc(o["id"])}" checked></td><td>{esc(o["id"][:8])}</td>'
+            f'<td>{esc(o["task_name"])}</td><td>{esc(gpus_in_words(o["request"]))}</td>'
+            f'<td>{o["est_cost"]:.4f} {esc(o["currency"])}</td></tr>' for o in others)
         batch = (f"<h2>Also waiting in this flow run</h2><p>Ticked runs are answered with this one "
                  f"({1 + len(others)} runs, {total:.4f} {esc(view['currency'])} together).</p>"
-                 f'<table class="batch"><tr><th></th><th>id</th><th>task</th><th>request</th><th>cost</th><th>digest</th></tr>'
+                 f'<table class="batch"><tr><th></th><th>id</th><th>task</th><th>GPUs</th><th>cost</th></tr>'
                  f"{items}</table>")
-    form = "" if not open_ else (
+    answerable = open_ and how in ("link", "approver", "operator")
+    proof = {"link": f"this link was made for {esc(who)} and answers this request once",
+             "used-link": f"this link was made for {esc(who)}; it was used",
+             "approver": f"signed in as {esc(who)}", "operator": f"signed in as {esc(who)} (operator)",
+             "flow": f"the requesting flow's credential ({esc(who)}): it cannot approve"}.get(how, "")
+    form = "" if not answerable else (
         f'<form method="post">{batch}'
-        '<label>Your approver credential <input type="password" name="token" autocomplete="current-password" required>'
-        '</label><label>Reason <input type="text" name="reason"></label>'
+        + (f'<input type="hidden" name="link" value="{esc(link)}">' if link else "")
+        + '<label>Reason <input type="text" name="reason"></label>'
         '<button name="decision" value="approve" type="submit">Approve</button>'
         '<button name="decision" value="reject" type="submit">Reject</button>'
-        '<p class="note">Your answer is recorded under the name your credential proves. The requester cannot approve '
-        "its own run, and only approvers whose grants cover this run are counted.</p></form>")
+        f'<p class="note">Your answer is recorded as {esc(who)}, as the control plane identified you. The requester '
+        "cannot approve its own run, and only approvers whose grants cover this run are counted.</p></form>")
     note = (f'<p class="message{" refused" if message.startswith("Not counted") else ""}">{message}</p>'
             if message else "")
-    return (f'<!doctype html><html><head><meta charset="utf-8"><title>Approve {esc(view["task_name"])}</title>'
-            f"<style>{_STYLE}</style></head><body><h1>Approve AI task {esc(view['task_name'])}?</h1>{note}"
-            f"<table>{rows}</table>{form}</body></html>")
+    return _doc(f"Approve {view['task_name']}", f"<h1>Approve AI task {esc(view['task_name'])}?</h1>"
+                f'<p class="who">{proof}</p>{note}<table>{table}</table>{form}')

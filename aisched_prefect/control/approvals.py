@@ -14,15 +14,22 @@ its evidence record.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
+import secrets
+import threading
 import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
 
 from aisched_prefect.approvals import ApprovalDecision, batch_digest, request_digest, signature_valid
 from aisched_prefect.control import stages
-from aisched_prefect.control.admission import Admission
+from aisched_prefect.control.admission import Admission, mark_version_seen
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.errors import AdmissionDenied, AISchedError
@@ -30,6 +37,7 @@ from aisched_prefect.ledger import Ledger
 from aisched_prefect.wire import ApprovalView
 from blocks import ChainBroken, Grant
 
+logger = logging.getLogger("aisched_prefect.control")
 metadata = sa.MetaData()
 approvals = sa.Table(
     "aisched_approvals", metadata,
@@ -48,6 +56,33 @@ approvals = sa.Table(
     sa.Column("view", sa.JSON, nullable=False),
     sa.Column("admission", sa.JSON, nullable=False),
 )
+
+
+links = sa.Table(
+    "aisched_approval_links", metadata,
+    sa.Column("id", sa.String(16), primary_key=True),
+    sa.Column("approval_id", sa.String(32), nullable=False, index=True),
+    sa.Column("approver", sa.String(200), nullable=False),
+    sa.Column("secret_hash", sa.String(64), nullable=False),  # sha256 of the secret: the link itself is never stored
+    sa.Column("expires_at", sa.Float, nullable=False),
+    sa.Column("used_at", sa.Float),
+)
+
+SHORT_ID = 8  # `aisched approvals list` shows this many characters of an id; any unique prefix this long resolves
+
+
+@dataclass(frozen=True)
+class LinkHolder:
+    """Whoever opened a one-time approval link: it proves the approver it was made for, for one request, once."""
+
+    principal: str
+    link_id: str
+    approval_id: str
+    used: bool
+
+
+def _link_hash(secret: str) -> str:
+    return hashlib.sha256(f"aisched-approval-link/1\n{secret}".encode()).hexdigest()
 
 
 class ApprovalError(AISchedError):
@@ -79,7 +114,7 @@ class ApprovalBook:
             currency=currency, request=admission.request.model_dump(mode="json"), chain=admission.chain,
             deadline=time.time() + timeout, timeout_seconds=timeout,
             approvals_required=payload.get("approvals_required", 1),
-            require_signature=payload.get("require_signature", False))
+            require_signature=payload.get("require_signature", False), parameters=payload.get("parameters") or {})
         view = view.model_copy(update={"url": f"{self.base_url}/approve/{view.id}"})
         view = view.model_copy(update={"describe": describe(view, budget_left(admission.holds, currency))})
         with self.ledger.engine.begin() as conn:
@@ -88,7 +123,30 @@ class ApprovalBook:
                 task_run_id=view.task_run_id, principal=view.principal, status="pending", suspended=False,
                 deadline=view.deadline, approved_by=[], decided_by=None, reason="", view=view.model_dump(mode="json"),
                 admission=admission.model_dump(mode="json")))
+        hook = self._hook(admission)
+        if hook:
+            threading.Thread(target=self._deliver, args=(view, hook), name="aisched-approval-hook", daemon=True).start()
         return view
+
+    def _hook(self, admission: Admission) -> str | None:
+        """The approval hook of the policy the run was admitted under (an operator's setting, never the flow's)."""
+        ref = admission.versions.get("policy")
+        if not ref:
+            return None
+        applied = self.state.snapshot.config("policy", ref.split(":", 1)[-1].rsplit("@", 1)[0])
+        return getattr(applied.model, "approval_hook", None) if applied is not None else None
+
+    def _deliver(self, view: ApprovalView, url: str) -> None:
+        """Post the request with one link per approver to the policy's hook. The links go there only: the flow
+        process (the requester) gets the view without them."""
+        import httpx
+
+        try:
+            made = {who: self.make_link(view.id, who) for who in self.approvers(view.id)}
+            httpx.post(url, json={"event": "aisched.approval.requested", **view.model_dump(mode="json"),
+                                  "links": made}, timeout=10)
+        except Exception:  # a chat hook that fails must not decide the run: the page's sign-in still works
+            logger.exception("could not deliver approval %s to its hook %s", view.id, url)
 
     def find(self, flow_run_id: str, digest: str) -> str | None:
         """The request a re-run of a suspended flow run finds its answer in (approved, rejected, expired, or still
@@ -110,6 +168,104 @@ class ApprovalBook:
         return sum(1 for r in self.ledger.records(flow_run_id)
                    if r.kind == "settlement" and r.payload.get("approval_digest") == digest
                    and r.payload.get("outcome") == "completed")
+
+    # -- one-time links -------------------------------------------------------------------
+    def make_link(self, approval_id: str, approver: str) -> str:
+        """A link that lets `approver` answer this one request once, until its deadline, with no secret to paste:
+        `<base_url>/approve/<id>?link=<token>`. Only its hash is stored; whoever holds the link is that approver
+        for this request (deliver it to them alone: the plane's approval hook, never the flow process)."""
+        row = self._row(approval_id)
+        if row.status != "pending" or time.time() >= row.deadline:
+            raise ApprovalError(f"approval {approval_id} is {row.status}: no link is made for it", 409)
+        if approver == row.principal:
+            raise ApprovalError("the requester cannot approve its own run: no link is made for it", 403)
+        link_id, secret = secrets.token_hex(8), secrets.token_urlsafe(24)
+        with self.ledger.engine.begin() as conn:
+            conn.execute(links.insert().values(id=link_id, approval_id=row.id, approver=approver,
+                                               secret_hash=_link_hash(secret), expires_at=row.deadline, used_at=None))
+        return f"{self.base_url}/approve/{row.id}?link=al_{link_id}_{secret}"
+
+    def link_holder(self, approval_id: str, token: str) -> LinkHolder | None:
+        """Who this link was made for, if it is a link for this request that has not expired; else None."""
+        parts = token.split("_", 2)
+        if len(parts) != 3 or parts[0] != "al" or len(parts[1]) != 16:
+            return None
+        with self.ledger.reader.connect() as conn:
+            row = conn.execute(sa.select(links).where(links.c.id == parts[1])).first()
+        if row is None or row.approval_id != approval_id or time.time() >= row.expires_at:
+            return None
+        if not hmac.compare_digest(row.secret_hash, _link_hash(parts[2])):
+            return None
+        return LinkHolder(principal=row.approver, link_id=row.id, approval_id=row.approval_id,
+                          used=row.used_at is not None)
+
+    def use_link(self, holder: LinkHolder) -> None:
+        """Spend the link (once, on any replica): a second answer with it is refused."""
+        with self.ledger.engine.begin() as conn:
+            spent = conn.execute(links.update().where((links.c.id == holder.link_id) & links.c.used_at.is_(None))
+                                 .values(used_at=time.time())).rowcount
+        if spent != 1:
+            raise ApprovalError("this link was used already: it answers once. Ask for a new one, or sign in", 409)
+
+    def approvers(self, approval_id: str) -> list[str]:
+        """Everyone who may approve this run now (a grant with can_approve covering it), the requester excluded:
+        who the approval hook sends a link to."""
+        adm = self.admission(approval_id)
+        snap, authority = self._authority(adm)
+        idx = snap.index(authority)
+        names = {*idx.by_principal, *(p for (a, p) in snap.delegated_to if a in (authority.name, None))}
+        groups = getattr(authority.model, "groups", {}) or {}
+        names |= {m for members in groups.values() for m in members}
+        return sorted(n for n in names if isinstance(n, str) and n != adm.principal and not n.startswith("group:")
+                      and self._approver_chain(snap, authority, n, adm) is not None)
+
+    def may_see(self, approval_id: str, caller: Credential | LinkHolder | None) -> bool:
+        """Whether this caller may be shown the request: an operator; an approver who may approve it (its authority,
+        a grant with can_approve covering it); the flow that asked; the holder of a link made for it."""
+        if caller is None:
+            return False
+        if isinstance(caller, LinkHolder):
+            return caller.approval_id == self.resolve(approval_id)
+        if caller.revoked:
+            return False
+        if caller.role == "operator":
+            return True
+        adm = self.admission(approval_id)
+        if caller.role == "flow":
+            return caller.principal == adm.principal and caller.authority == adm.authority
+        try:
+            snap, authority = self._authority(adm)
+        except ApprovalError:
+            return False
+        if caller.authority is not None and caller.authority != authority.name:
+            return False
+        return self._approver_chain(snap, authority, caller.principal, adm) is not None
+
+    def why_not(self, approval_id: str, caller: Credential, decision: ApprovalDecision) -> str:
+        """Why this credential's answer cannot count, in words that tell nothing about the run."""
+        if caller.role not in ("approver", "operator"):
+            return f"a {caller.role} credential may not do this (needs approver or operator)"
+        try:
+            adm = self.admission(approval_id)
+            if caller.authority is not None and caller.authority != adm.authority:
+                return f"the credential of {caller.principal!r} was issued for another authority than this run's"
+            self.check(approval_id, decision, caller)
+        except ApprovalError as exc:
+            return str(exc)
+        return "this credential may not see this request"
+
+    def resolve(self, approval_id: str) -> str:
+        """The full id of a request named by its id or a unique prefix of at least SHORT_ID characters (the short ids
+        `aisched approvals list` shows)."""
+        if len(approval_id) >= 32 or len(approval_id) < SHORT_ID or not all(c in "0123456789abcdef" for c in approval_id):
+            return approval_id
+        with self.ledger.reader.connect() as conn:
+            found = conn.execute(sa.select(approvals.c.id).where(approvals.c.id.like(f"{approval_id}%"))
+                                 .limit(2)).scalars().all()
+        if len(found) > 1:
+            raise ApprovalError(f"approval id {approval_id!r} is ambiguous: give more of it "
+                                "(aisched approvals list --json shows whole ids)", 400)
+        return found[0] if found else approval_id
 
     # -- reading --------------------------------------------------------------------------
     def _row(self, approval_id: str) -> Any:
@@ -225,7 +381,7 @@ class ApprovalBook:
         others = [self.view(i) for i in ids]
         return [view, *(v for v in others if v.status in ("pending", "suspended"))]
 
-    def _prove(self, approval_id: str, decision: ApprovalDecision, caller: Credential | None,
+    def _prove(self, approval_id: str, decision: ApprovalDecision, caller: Credential | LinkHolder | None,
                batch: list[str] | None = None) -> tuple[ApprovalView, Admission, str, dict[str, Any], Any, Any]:
         """Who answers this request, proved, and their right to approve it; nothing is written.
 
@@ -247,12 +403,12 @@ class ApprovalBook:
                 **({"batch": list(batch), "batch_digest": signed} if batch and len(batch) > 1 else {})}
         return view, adm, who, base, snap, authority
 
-    def check(self, approval_id: str, decision: ApprovalDecision, caller: Credential | None,
+    def check(self, approval_id: str, decision: ApprovalDecision, caller: Credential | LinkHolder | None,
               batch: list[str] | None = None) -> None:
         """Raise ApprovalError unless this answer would count (every item of a batch is checked before any counts)."""
         self._prove(approval_id, decision, caller, batch)
 
-    def answer(self, approval_id: str, decision: ApprovalDecision, caller: Credential | None,
+    def answer(self, approval_id: str, decision: ApprovalDecision, caller: Credential | LinkHolder | None,
                batch: list[str] | None = None) -> ApprovalView:
         """Count one answer if it proves who gave it and that person may approve this run."""
         view, adm, who, base, snap, authority = self._prove(approval_id, decision, caller, batch)
@@ -325,10 +481,17 @@ class ApprovalBook:
         return snap, authority
 
     def _identify(self, view: ApprovalView, adm: Admission, authority: Any, decision: ApprovalDecision,
-                  caller: Credential | None, signed: str) -> tuple[str, str]:
+                  caller: Credential | LinkHolder | None, signed: str) -> tuple[str, str]:
         """Who answered, proved: by an approver's credential, or by a signature over `signed` (this request's
         digest, or the batch digest of the requests answered together)."""
-        if decision.signature:
+        if isinstance(caller, LinkHolder):
+            if view.require_signature:
+                raise ApprovalError(f"rule {view.rule!r} counts only signed approvals: "
+                                    f"aisched approve {view.id} --key KEY", 403)
+            if caller.approval_id != view.id:
+                raise ApprovalError("this link was made for another request", 403)
+            who, channel = caller.principal, "link"
+        elif decision.signature:
             who = decision.approver.strip()
             key = authority.model.approver_keys.get(who)
             if key is None:
@@ -377,7 +540,9 @@ class ApprovalBook:
                                 {"task": view.task_name, "approved_by": view.approved_by}):
             raise AdmissionDenied("approval", f"approval {approval_id} already allowed one execution",
                                   "run the flow again to ask again")
-        return view, self.admission(approval_id)
+        admission = self.admission(approval_id)
+        mark_version_seen(self.ledger, admission)  # its code was asked about and approved: seen from now on
+        return view, admission
 
 
 def _signed_approval(records: list[Any], approval_id: str, trusted: list[bytes]) -> bool:
@@ -392,21 +557,72 @@ def budget_left(holds: list[Any], currency: str) -> str:
     return ", ".join(f"{h.budget}: {h.remaining_after:.2f} {currency if h.unit == 'money' else h.unit}" for h in holds)
 
 
+def gpus_in_words(request: dict[str, Any]) -> str:
+    """What a run asks for, as a person reads it: '2 H100 GPUs, each with at least 40 GB', 'half of one GPU'.
+
+    >>> gpus_in_words({"gpus": 2, "gpu_type": "H100", "gpu_memory_gb": 40})
+    '2 H100 GPUs, each with at least 40 GB'
+    >>> gpus_in_words({"gpus": 0.5, "gpu_type": ["A10", "L4"]})
+    'half of one A10 or L4 GPU'
+    >>> gpus_in_words({"gpus": 1})
+    '1 GPU of any type'
+    """
+    gpus = float(request.get("gpus") or 0)
+    if not gpus:
+        return "no GPU"
+    types = request.get("gpu_type")
+    names = " or ".join(types if isinstance(types, list) else [types]) if types else ""
+    memory = request.get("gpu_memory_gb")
+    if gpus < 1:
+        share = {0.5: "half", 0.25: "a quarter"}.get(gpus, f"{gpus:g}")
+        out = f"{share} of one {names + ' ' if names else ''}GPU" + (f" ({memory:g} GB reserved)" if memory else "")
+    else:
+        n = f"{gpus:g}"
+        out = f"{n} {names + ' ' if names else ''}GPU{'s' if gpus != 1 else ''}{'' if names else ' of any type'}"
+        if memory:
+            out += f", {'each ' if gpus > 1 else ''}with at least {memory:g} GB"
+    hosts = request.get("hosts")
+    return out + (f", on {hosts} hosts" if hosts and hosts > 1 else "")
+
+
+def duration_in_words(seconds: float) -> str:
+    """'1 h 5 min', '4 min 10 s', '12 s'."""
+    s = max(0, int(round(seconds)))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    if h:
+        return f"{h} h {m} min" if m else f"{h} h"
+    if m:
+        return f"{m} min {sec} s" if sec else f"{m} min"
+    return f"{sec} s"
+
+
+def time_left(deadline: float, now: float | None = None) -> str:
+    """The deadline as a time, and how long until it: 'until 14:32:05 UTC (in 4 min 10 s)'."""
+    now = time.time() if now is None else now
+    at = datetime.fromtimestamp(deadline, timezone.utc)
+    when = at.strftime("%H:%M:%S UTC") if at.date() == datetime.fromtimestamp(now, timezone.utc).date() \
+        else at.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"until {when} (in {duration_in_words(deadline - now)})"
+
+
 def describe(v: ApprovalView, left: str = "") -> str:
     """The markdown a person reads before deciding (Prefect's pause form shows it; the page shows the same)."""
     req = ", ".join(f"{k}={val}" for k, val in v.request.items() if val not in (None, 0, 0.0, False))
     quorum = f"- approvals needed: {v.approvals_required} different approvers\n" if v.approvals_required > 1 else ""
     signed = "- this rule counts only signed answers (`aisched approve --key`)\n" if v.require_signature else ""
-    return (f"**Approve AI task `{v.task_name}`?**\n\n"
+    what = v.request.get("kind", "") + (f" of {v.request['model']}" if v.request.get("model") else "")
+    runtime = f", about {duration_in_words(v.request['est_seconds'])}" if v.request.get("est_seconds") else ""
+    return (f"**Approve AI task `{v.task_name}`?** ({what}: {gpus_in_words(v.request)}{runtime})\n\n"
             f"- principal: `{v.principal}`, grant chain `{' -> '.join(v.chain)}`\n"
             f"- request: {req}\n"
             f"- estimated cost: {v.est_cost:.4f} {v.currency}" + (f" (budget left after the hold: {left})" if left else "")
             + f"\n- asked by rule: `{v.rule}`\n{quorum}{signed}"
-            f"- no answer within {v.timeout_seconds}s denies the run\n"
-            f"- approval digest: `{v.digest[:16]}`\n"
-            f"- **answer here: [{v.url}]({v.url})** (sign in with your approver credential), or "
-            f"`aisched approve {v.id} --key KEY`. An answer typed into this Prefect form is not counted: "
-            "Prefect cannot tell who typed it.")
+            f"- open {time_left(v.deadline)}: no answer by then denies the run\n"
+            f"- approval digest: `{v.digest[:16]}`\n\n"
+            f"**Answer on the control plane's page: [{v.url}]({v.url})** (open the one-time link you were sent, or "
+            f"sign in there as an approver), or `aisched approve {v.id[:SHORT_ID]}`. This Prefect form has nothing to "
+            "fill in. An answer typed into this Prefect form is not counted: Prefect cannot tell who typed it.")
 
 
 def to_json(view: ApprovalView) -> str:

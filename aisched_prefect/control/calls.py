@@ -12,6 +12,7 @@ and settled once whichever replica finishes it.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Literal
 
@@ -50,7 +51,21 @@ flow_runs = sa.Table(
     sa.Column("principal", sa.String(200), nullable=False),
 )
 
+task_runs = sa.Table(
+    "aisched_task_runs", metadata,
+    sa.Column("task_run_id", sa.String(64), primary_key=True),
+    sa.Column("principal", sa.String(200), nullable=False),
+)
+
 Claim = Literal["new", "takeover", "busy", "done"]
+
+
+def call_key(who: str, task_run_id: str, attempt: int, admission: str | None = None) -> str:
+    """The key a call is claimed and its reply stored under: the caller's identity (authority and principal, as
+    `who`), then the task run, attempt and admission the flow sends. Another caller's key is never this one, so a
+    stored reply goes back only to the caller that made the call, and nobody can claim a call ahead of its owner."""
+    caller = hashlib.sha256(who.encode()).hexdigest()[:24]
+    return f"{caller}/{task_run_id}/{attempt}" + (f"/{admission}" if admission else "")
 
 
 class CallBook:
@@ -90,6 +105,27 @@ class CallBook:
             return known
         with self.ledger.reader.connect() as conn:
             return conn.execute(sa.select(flow_runs.c.principal).where(flow_runs.c.flow_run_id == flow_run_id)).scalar()
+
+    def task_owner(self, task_run_id: str, principal: str) -> str:
+        """The caller a task run id belongs to: the first to call under it (the ids are readable in Prefect, so
+        another tenant can send one). The caller of this refuses a call under a task run another principal used."""
+        key = f"task:{task_run_id}"
+        known = self._owners.get(key)
+        if known is not None:
+            return known
+        if len(self._owners) > 10_000:
+            self._owners.clear()
+        self._owners[key] = owner = self._first(task_runs, task_runs.c.task_run_id, task_run_id, principal)
+        return owner
+
+    def _first(self, table: sa.Table, column: Any, value: str, principal: str) -> str:
+        try:
+            with self.ledger.engine.begin() as conn:
+                conn.execute(table.insert().values({column.name: value, "principal": principal}))
+            return principal
+        except sa.exc.IntegrityError:
+            with self.ledger.reader.connect() as conn:
+                return conn.execute(sa.select(table.c.principal).where(column == value)).scalar_one()
 
     def _owner(self, flow_run_id: str, principal: str) -> str:
         try:

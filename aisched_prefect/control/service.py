@@ -32,7 +32,7 @@ from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
 from aisched_prefect.control.approvals import ApprovalBook, ApprovalError
 from aisched_prefect.control import records
-from aisched_prefect.control.calls import CallBook, CallTakenOver
+from aisched_prefect.control.calls import CallBook, CallTakenOver, call_key
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
 from aisched_prefect.control.dispatch import BodyParts, Dispatcher, denied, emit_budget_alert
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
@@ -468,11 +468,13 @@ class ControlPlane:
         self._check_in_flight(cred, len(fn_bytes) + len(args_bytes))
         payload_digest = _digest_parts(fn_bytes, args_bytes)
         args_digest = digest(args_bytes)
+        function_digest = digest(fn_bytes)  # the code identity, from the bytes received (never unpickled)
         owner = self.calls.owner(meta.flow_run_id, _who(cred))
         if owner != _who(cred):
             raise Unauthorized(f"flow run {meta.flow_run_id} belongs to {owner!r}: a flow files its calls under its "
                                "own flow run", 403)
-        key = f"{meta.task_run_id}/{meta.attempt}" + (f"/{meta.admission}" if meta.admission else "")
+        self._own_task_run(cred, meta.task_run_id)
+        key = call_key(_who(cred), meta.task_run_id, meta.attempt, meta.admission)
         claim, row = self.calls.claim(key)
         filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
         if claim == "busy":
@@ -498,7 +500,8 @@ class ControlPlane:
                     self.calls.admitted(key, adm.model_dump(mode="json"), conn)
                     filed.append(adm.id)
 
-                admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds)
+                admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds,
+                                        function_digest)
         except _Early as early:
             self.calls.done(key, early.reply.model_dump(mode="json"))
             return early.reply.model_copy(update={"key": key}), b""
@@ -552,13 +555,14 @@ class ControlPlane:
             logger.warning("a flow process went away: %d of its waiting AI task runs leave the queue", stopped)
 
     def _admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str,
-               args_digest: str, on_admitted: Callable[[Any, Admission], None]) -> Admission:
+               args_digest: str, on_admitted: Callable[[Any, Admission], None], function_digest: str) -> Admission:
         """A new admission (`on_admitted` files it with the call in the transaction that holds its budget), or the
         one an approval allows; an outcome that ends the call here raises _Early."""
         try:
             if meta.admission is not None:
                 return self._continue(cred, meta, payload_digest)
-            return self.admitter.admit(cred, meta, request, payload_digest, args_digest, meta.approver, on_admitted)
+            return self.admitter.admit(cred, meta, request, payload_digest, args_digest, meta.approver, on_admitted,
+                                       function_digest)
         except AdmissionDenied as exc:
             raise _Early(denied(exc.stage, exc.reason, exc.fix)) from None
         except ApprovalNeeded as need:
@@ -807,6 +811,13 @@ class ControlPlane:
     def flow_run_records(self, caller: Credential, flow_run_id: str) -> list[Any]:
         self._own_flow_run(caller, flow_run_id)
         return self.ledger.records(flow_run_id)
+
+    def _own_task_run(self, caller: Credential, task_run_id: str) -> None:
+        """A call under a task run id another principal called under is refused: its replies are that principal's."""
+        owner = self.calls.task_owner(task_run_id, _who(caller))
+        if owner != _who(caller):
+            raise Unauthorized(f"task run {task_run_id} belongs to another principal: a flow files its calls under "
+                               "its own task runs", 403)
 
     def _own_flow_run(self, caller: Credential, flow_run_id: str) -> None:
         """A flow reads and publishes only the flow runs it made its calls under (operators: any)."""
