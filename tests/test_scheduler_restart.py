@@ -18,7 +18,7 @@ from prefect import flow
 
 from aisched_prefect import ai_task
 from tests.clusterprocs import ClusterProcs
-from tests.helpers import authority, budget
+from tests.helpers import tenant
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -34,7 +34,7 @@ def test_the_plane_reconnects_to_a_scheduler_that_was_down_past_dasks_window(tmp
         procs.start_worker("gpu-a", "2 GPUs, 80 GB, H100")
         procs.wait_for_workers(1)
         plane = procs.start_plane()
-        t = plane.tenant(authority(), budget())
+        t = tenant(plane)
 
         @ai_task(gpus=1, gpu_type="H100", kind="inference", est_seconds=30, retries=1,
                  retry_delay_seconds=DOWN_SECONDS + 15)
@@ -56,6 +56,7 @@ def test_the_plane_reconnects_to_a_scheduler_that_was_down_past_dasks_window(tmp
         runner.start()
         deadline = time.monotonic() + 120
         while not started.exists():
+            assert runner.is_alive(), f"the flow ended before its first attempt started: {out.get('result')}"
             assert time.monotonic() < deadline, "the first attempt never started"
             time.sleep(0.1)
         for name in ("scheduler", "gpu-a"):  # the scheduler dies; its workers go with it, as docs/how-to says
