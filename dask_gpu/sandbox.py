@@ -150,7 +150,7 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
         plugin.tenants.admit(ticket.tenant, ticket.run)
     key = str(getattr(thread_state, "key", None) or ticket.id)
     _redeem(worker, ticket, body.member, key)  # cluster-wide (a re-run elsewhere is refused, and listed)
-    ticket.check_worker(worker.address, body.member)  # neither rests on the scheduler's memory
+    ticket.check_worker(worker.address, body.member, str(worker.name or ""))  # neither rests on the scheduler's memory
     _redeem_here(plugin, ticket, body.member)
     request = ticket.member_request(body.member)
     _secede()

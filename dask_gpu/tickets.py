@@ -76,12 +76,13 @@ class Ticket(BaseModel):
             raise TicketRejected(f"ticket for run {self.run} has no member {member}")
         return self.request.member(self.shares[member])
 
-    def check_worker(self, address: str, member: int) -> None:
-        """A ticket runs only where the control plane placed it: a scheduler that hands it elsewhere is refused."""
+    def check_worker(self, address: str, member: int, name: str = "") -> None:
+        """A ticket runs only where the control plane placed it (a worker by address, or by name where Dask
+        chooses among named workers): a scheduler that hands it elsewhere is refused."""
         if not self.workers:
             return
         allowed = [self.workers[member]] if self.hosts > 1 and member < len(self.workers) else list(self.workers)
-        if address not in allowed:
+        if address not in allowed and (not name or name not in allowed):
             raise TicketRejected(f"ticket {self.id[:8]} of run {self.run} was issued for {', '.join(allowed)}, not "
                                  f"{address}: refused (the scheduler placed it somewhere the control plane did not)")
 

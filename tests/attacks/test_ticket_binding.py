@@ -28,7 +28,11 @@ def test_a_ticket_placed_on_one_worker_is_refused_on_another():
     signer, ticket = _ticket(workers=("tls://10.0.0.1:4000",))
     ticket.check_worker("tls://10.0.0.1:4000", 0)
     with pytest.raises(TicketRejected, match="was issued for tls://10.0.0.1:4000"):
-        ticket.check_worker("tls://10.0.0.2:4000", 0)
+        ticket.check_worker("tls://10.0.0.2:4000", 0, "gpu-b")
+    _, by_name = _ticket(workers=("gpu-a",))  # the queue off: Dask chooses among the named workers
+    by_name.check_worker("tls://10.0.0.9:4000", 0, "gpu-a")
+    with pytest.raises(TicketRejected):
+        by_name.check_worker("tls://10.0.0.9:4000", 0, "gpu-b")
     # The binding is signed: a ticket rewritten to name another worker no longer verifies.
     forged = ticket.model_copy(update={"workers": ("tls://10.0.0.2:4000",)})
     with pytest.raises(TicketRejected):
