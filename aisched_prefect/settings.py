@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     scheduler_reconnect_seconds: float = Field(
         default=7 * 24 * 3600.0, gt=0, description="How long the control plane keeps reconnecting to a Dask "
         "scheduler it lost (Dask's own client gives up after 30 s and closes for good).")
+    admission_threads: int = Field(default=8, ge=1, le=64, description="How many calls of one runs request are "
+                                   "admitted at a time (their holds share the ledger's group commits).")
     max_runs_in_flight: int = Field(default=50_000, gt=0, description="AISCHED_MAX_RUNS_IN_FLIGHT: most AI task runs "
                                     "one credential may have accepted and not ended (429 past it).")
     max_bytes_in_flight: int = Field(default=2 * 2**30, gt=0, description="AISCHED_MAX_BYTES_IN_FLIGHT: most body "

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,7 @@ class ControlPlane:
         self._day_reported = -1
         self._weights_lock = threading.Lock()  # an apply and the periodic sync set the queue's weights in turn
         self._flight_lock = threading.Lock()
+        self._admitting = ThreadPoolExecutor(max_workers=settings.admission_threads, thread_name_prefix="aisched-admit")
         self._in_flight: dict[str, tuple[int, int]] = {}  # credential id -> (runs, body bytes) accepted, not ended
         self._stack = ExitStack()
         self._lost_at: float | None = None  # when the Dask scheduler stopped answering (None: it answers)
@@ -201,6 +203,7 @@ class ControlPlane:
                                    periodic=chores)
             self.watcher.start()
             self._stack.callback(self.watcher.close)
+            self._stack.callback(self._admitting.shutdown, wait=False)
         except BaseException:
             self._stack.close()
             raise
@@ -441,16 +444,17 @@ class ControlPlane:
         on the session's stream), or how it ended at admission. One bad call fails only itself."""
         if not self.outcomes.owns(session, _who(cred)):
             raise Unauthorized("this session belongs to another principal: a runner chooses a fresh random one", 403)
-        out: list[Reply] = []
-        for meta, blob in calls:
+        def one(item: tuple[CallMeta, tuple[bytes, bytes]]) -> Reply:
             try:
-                out.append(self.submit(cred, meta, blob, session)[0])
+                return self.submit(cred, item[0], item[1], session)[0]
             except Busy as exc:
-                out.append(Reply(status="failed", error_type="busy", error_message=str(exc)))
+                return Reply(status="failed", error_type="busy", error_message=str(exc))
             except (AISchedError, ValueError) as exc:
-                out.append(Reply(status="denied", stage="request", reason=str(exc),
-                                 fix=str(exc).split("Fix: ", 1)[1] if "Fix: " in str(exc) else ""))
-        return out
+                return Reply(status="denied", stage="request", reason=str(exc),
+                             fix=str(exc).split("Fix: ", 1)[1] if "Fix: " in str(exc) else "")
+
+        # A few admissions at a time: the ledger's group commit books their holds in shared transactions.
+        return list(self._admitting.map(one, calls)) if len(calls) > 1 else [one(calls[0])]
 
     def submit(self, cred: Credential, meta: CallMeta, body: tuple[bytes, bytes], session: str | None
                ) -> tuple[Reply, bytes]:
