@@ -7,6 +7,16 @@ class AISchedError(Exception):
     """Base class for every error raised by aisched_prefect."""
 
 
+def shown(value: object, longest: int = 60) -> str:
+    """A value as an error message shows it: its repr, cut to `longest` characters (a 100,000-character name is
+    named by its start and its length, not pasted whole)."""
+    text = repr(value)
+    if len(text) <= longest:
+        return text
+    size = f" ({len(value)} characters)" if isinstance(value, (str, bytes)) else ""
+    return f"{text[:longest]}...{size}"
+
+
 class InvalidAIRequest(AISchedError, ValueError):
     """An @ai_task declared a request that cannot be valid."""
 
@@ -44,7 +54,7 @@ class InvalidLedgerInput(AISchedError, ValueError):
 
     def __init__(self, what: str, value: object, rule: str, fix: str) -> None:
         self.what, self.value, self.rule, self.fix = what, value, rule, fix
-        self.reason = f"{what}={value!r}: {rule}"
+        self.reason = f"{what}={shown(value)}: {rule}"
         super().__init__(f"{self.reason}. Fix: {fix}")
 
 
