@@ -60,3 +60,20 @@ class InvalidLedgerInput(AISchedError, ValueError):
 
 class InvalidAmount(InvalidLedgerInput):
     """An amount given to the ledger is not a finite number in its range (NaN, inf, negative, huge)."""
+
+
+class LedgerUnavailable(AISchedError):
+    """The ledger's database could not be reached, or kept failing, after every retry; nothing was half-written.
+
+    The control plane answers 503 with the cause: the request can be sent again once the database answers.
+    """
+
+    status = 503
+
+    def __init__(self, cause: str, url: str = "", unknown: bool = False) -> None:
+        self.cause = cause
+        where = f" at {url}" if url else ""
+        outcome = (" (the connection dropped while it committed: whether the write was kept could not be read back)"
+                   if unknown else "")
+        super().__init__(f"the ledger's database{where} failed: {cause}{outcome}. Fix: check that the database is up "
+                         "and reachable from the control plane; then send the request again")

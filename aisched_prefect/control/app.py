@@ -21,7 +21,8 @@ from pydantic import BaseModel
 from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.approvals import ApprovalError, budget_left
 from aisched_prefect.control.service import ControlPlane, Unauthorized
-from aisched_prefect.errors import AISchedError, InvalidAIRequest
+from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable
+from aisched_prefect.ledger.engine import database_errors, described
 from aisched_prefect.wire import FRAME, CallMeta, Problem, frame, unframe
 from blocks import ChainBroken, DelegationRefused
 
@@ -90,6 +91,14 @@ def build_app(plane: ControlPlane) -> FastAPI:
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse(Problem(error=str(exc)).model_dump(), status_code=422)
+
+    async def _database(_: Request, exc: Exception) -> JSONResponse:
+        """A database failure no retry got past: 503 with its cause (the request can be sent again), never a bare 500."""
+        err = LedgerUnavailable(described(exc))
+        return JSONResponse(Problem(error=str(err), fix=str(err).split("Fix: ", 1)[1]).model_dump(), status_code=503)
+
+    for database_error in database_errors():
+        app.add_exception_handler(database_error, _database)
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
