@@ -37,6 +37,17 @@ class ConfigurationError(AISchedError, ValueError):
     """The runner was configured with something it cannot use."""
 
 
+class InvalidConfig(AISchedError, ValueError):
+    """An operator's change (a configuration to apply, a credential to issue) that cannot be valid: refused before
+    anything is recorded, naming the field and the fix."""
+
+    status = 422
+
+    def __init__(self, what: str, value: object, rule: str, fix: str) -> None:
+        self.what, self.value, self.rule, self.fix = what, value, rule, fix
+        super().__init__(f"{what}={shown(value)}: {rule}. Fix: {fix}")
+
+
 class InvalidUsage(AISchedError, ValueError):
     """A task reported usage that cannot be right (negative tokens or cost)."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from aisched_prefect.control.dispatch import Dispatcher, denied, emit_budget_ale
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
 from aisched_prefect.control.watcher import Watcher
-from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest
+from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest, InvalidConfig, InvalidLedgerInput
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import Settings
@@ -107,6 +108,22 @@ def load_or_make_key(path: Path) -> Ed25519PrivateKey:
     key = Ed25519PrivateKey.generate()
     write_private(path, key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
     return key
+
+
+CONFIG_NAME_LENGTH = 100
+_CONFIG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_config_name(kind: str, name: object) -> str:
+    """A configuration's name as the books, the CLI and Prefect can carry it: 1 to 100 letters, digits, '.', '_'
+    or '-', starting with a letter or digit (no '/', which separates a budget from its limits; no NUL)."""
+    fix = f"name the {kind} block like a Prefect block, e.g. 'team-a' (at most {CONFIG_NAME_LENGTH} characters)"
+    if not isinstance(name, str) or not 0 < len(name) <= CONFIG_NAME_LENGTH:
+        raise InvalidConfig(f"{kind} name", name, f"a name is 1 to {CONFIG_NAME_LENGTH} characters", fix)
+    if not _CONFIG_NAME.fullmatch(name):
+        raise InvalidConfig(f"{kind} name", name, "a name has only letters, digits, '.', '_' and '-', and starts "
+                            "with a letter or digit", fix)
+    return name
 
 
 class ControlPlane:
@@ -226,10 +243,16 @@ class ControlPlane:
 
     # -- configuration ----------------------------------------------------------------------
     def apply(self, by: str, kind: str, name: str, body: dict[str, Any]) -> Applied:
-        """Apply a block's content: from now on it is what admission reads. Same content: nothing changes."""
+        """Apply a block's content: from now on it is what admission reads. Same content: nothing changes.
+
+        Everything is checked before anything is recorded (the name, the content, and for a budget the
+        accounts the ledger must book), and the configuration record and the limits it sets are written in
+        one transaction: a refused change leaves nothing behind."""
         cls = CONFIG_KINDS.get(kind)
         if cls is None:
-            raise AISchedError(f"kind {kind!r}: apply one of {sorted(CONFIG_KINDS)}")
+            raise InvalidConfig("kind", kind, f"apply one of {', '.join(sorted(CONFIG_KINDS))}",
+                                "name the block's kind in the URL: /v1/config/<kind>/<name>")
+        check_config_name(kind, name)
         try:
             model = cls.model_validate(body)
         except Exception as exc:
@@ -240,19 +263,23 @@ class ControlPlane:
                 raise AISchedError(f"authority {name!r} cannot be applied: " + "; ".join(problems))
         canonical = json.loads(model.model_dump_json(include=set(cls.model_fields)))
         digest_ = content_digest(canonical)
-        current = self.state.refresh().config(kind, name)
+        snap = self.state.refresh()
+        current = snap.config(kind, name)
         if self.state.broken is not None:
             raise AISchedError(f"the evidence log is broken ({self.state.broken}): nothing is applied until it is "
                                "restored. Fix: investigate the database (aisched evidence verify --checkpoint DIR)")
         if current is not None and current.digest == digest_:
             return current
         version = (current.version if current else 0) + 1
-        records.record(self.ledger, records.ConfigApplied(config_kind=kind, name=name, version=version, digest=digest_,
-                                                          body=canonical, by=by), principal=by)
+        item = records.ConfigApplied(config_kind=kind, name=name, version=version, digest=digest_, body=canonical, by=by)
+        limits: list[tuple[list[Any], int]] = []
+        if kind in ("budget", "authority"):  # a lowered limit applies to the next reservation, in every process
+            configs = {**snap.configs, (kind, name): Applied(kind=kind, name=name, version=version, digest=digest_,
+                                                             seq=-1, body=canonical, model=model)}
+            limits = self._limit_sets(configs, checked=(kind, name) if kind == "budget" else None)
+        self.ledger.record_with_limits(item.kind, records._wire(item), limits, by=by)
         applied = self.state.refresh().config(kind, name)
         assert applied is not None
-        if kind in ("budget", "authority"):  # a lowered limit applies to the next reservation, in every process
-            self._apply_limits(by)
         if kind == "cluster":  # its tenant weights reach the queue now (model limits are read per call)
             self._set_queue_weights()
         return applied
@@ -281,16 +308,40 @@ class ControlPlane:
         """Tell the ledger the limits of every applied budget at its version (see stages.config_version).
 
         Grant-share accounts (`<account>#<grant>`) are set by the lines of the runs that use them."""
-        from aisched_prefect.control import stages
+        for lines, version in self._limit_sets(self.state.snapshot.configs):
+            self.ledger.apply_limits(lines, version, by=by)
 
-        snap = self.state.snapshot
-        for (kind, name), budget in snap.configs.items():
+    def _limit_sets(self, configs: dict[tuple[str, str], Applied],
+                    checked: tuple[str, str] | None = None) -> list[tuple[list[Any], int]]:
+        """Each applied budget's limit lines and the version they carry: its own plus the newest authority's.
+
+        The budget `checked` (one being applied) must be bookable: InvalidConfig names its account otherwise.
+        Any other that cannot be booked (a record from before names were checked) is left out and logged: one
+        bad record in the log never blocks the applies that follow it."""
+        from aisched_prefect.ledger.limits import check_line
+
+        authorities = [a.version for (k, _), a in configs.items() if k == "authority"]
+        now = self.ledger.now()
+        out: list[tuple[list[Any], int]] = []
+        for (kind, name), budget in sorted(configs.items()):
             if kind != "budget":
                 continue
-            authorities = [a.version for (k, _), a in snap.configs.items() if k == "authority"]
             version = budget.version + max(authorities, default=0)
-            self.ledger.apply_limits(budget.model.limit_lines(name, self.ledger.now(), config_version=version), version,
-                                     by=by)
+            try:
+                lines = budget.model.limit_lines(name, now, config_version=version)
+                for i, line in enumerate(lines):
+                    check_line(line, f"budget {name!r} account {i}")
+            except (ValueError, InvalidLedgerInput) as exc:
+                if (kind, name) == checked:
+                    why = " ".join(str(exc).split()[:40])  # one line: pydantic's errors span several
+                    raise InvalidConfig("budget", name, f"the ledger cannot book its accounts ({why})",
+                                        "shorten the budget's name or its limits' names (an account, "
+                                        "<budget>/<limit>, is at most 200 characters)") from None
+                logger.warning("budget %r (applied version %s) cannot be booked and is left out of the limits: %s",
+                               name[:60], budget.version, exc)
+                continue
+            out.append((lines, version))
+        return out
 
     # -- grants -----------------------------------------------------------------------------
     def delegate(self, caller: Credential, parent: str, *, id: str, principal: str, authority: str | None = None,
