@@ -88,3 +88,30 @@ class LedgerUnavailable(AISchedError):
                    if unknown else "")
         super().__init__(f"the ledger's database{where} failed: {cause}{outcome}. Fix: check that the database is up "
                          "and reachable from the control plane; then send the request again")
+
+
+class RequestTooLarge(AISchedError):
+    """A request body larger than the control plane takes (413); nothing of it was acted on."""
+
+    status = 413
+
+    def __init__(self, path: str, size: int | None, limit: int, setting: str) -> None:
+        self.limit, self.setting = limit, setting
+        got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+        fix = (f"pass large data by reference (a path or URL the task reads) instead of as an argument, or an "
+               f"operator raises {setting} on the control plane" if path == "/v1/calls"
+               else f"send less, or an operator raises {setting} on the control plane")
+        super().__init__(f"the request to {path} is {got}, more than the {limit} bytes this control plane takes "
+                         f"({setting}={limit}). Fix: {fix}")
+
+
+class TooManyOpenApprovals(AISchedError):
+    """A credential already has as many requests waiting for a person as the control plane allows (429)."""
+
+    status = 429
+
+    def __init__(self, principal: str, open_: int, limit: int) -> None:
+        super().__init__(f"{principal!r} already has {open_} requests waiting for a person, the most this control "
+                         f"plane allows one credential (AISCHED_MAX_OPEN_APPROVALS={limit}); nothing was held for this "
+                         "one. Fix: answer or let expire the open ones (aisched approvals list), or an operator "
+                         "raises AISCHED_MAX_OPEN_APPROVALS")

@@ -48,6 +48,18 @@ class Settings(BaseSettings):
     queue_sync_seconds: float = Field(default=30.0, gt=0, description="How often the control plane sets the queue's "
                                       "tenant weights on the scheduler again (a restarted scheduler gets them back).")
 
+    # Limits on what one caller may send: each refusal (413, 429) names its variable.
+    max_call_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, description="AISCHED_MAX_CALL_BYTES: the largest AI task call (its pickled "
+        "function and arguments) the control plane takes on /v1/calls; a larger one is refused (413) before it is read. "
+        "Pass large data by reference (a path or URL the task reads).")
+    max_request_bytes: int = Field(
+        default=1024 * 1024, ge=1024, description="AISCHED_MAX_REQUEST_BYTES: the largest body of any other request "
+        "(configuration, credentials, answers).")
+    max_open_approvals: int = Field(
+        default=50, ge=1, description="AISCHED_MAX_OPEN_APPROVALS: requests one credential may have waiting for a "
+        "person at once; one more is refused (429) until some are answered or expire.")
+
     def ledger(self) -> str:
         if self.ledger_url:
             return self.ledger_url

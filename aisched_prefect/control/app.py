@@ -21,8 +21,9 @@ from pydantic import BaseModel
 from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.approvals import ApprovalError, budget_left
 from aisched_prefect.control.service import ControlPlane, Unauthorized
-from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable
+from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable, RequestTooLarge
 from aisched_prefect.ledger.engine import database_errors, described
+from aisched_prefect.settings import Settings
 from aisched_prefect.wire import FRAME, CallMeta, Problem, frame, unframe
 from blocks import ChainBroken, DelegationRefused
 
@@ -60,6 +61,49 @@ class RevokeIn(BaseModel):
     authority: str | None = None
 
 
+class BodyLimit:
+    """Refuse a request body larger than its route takes (413, naming the setting): by its Content-Length before
+    any of it is read, and while it streams in (chunked, or a length that lies), so a 300 MB call never sits in
+    the control plane's memory. `/v1/calls` takes AISCHED_MAX_CALL_BYTES, every other route
+    AISCHED_MAX_REQUEST_BYTES."""
+
+    def __init__(self, app: Any, settings: Any) -> None:
+        self.app = app
+        self.calls = (settings.max_call_bytes, "AISCHED_MAX_CALL_BYTES")
+        self.other = (settings.max_request_bytes, "AISCHED_MAX_REQUEST_BYTES")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        limit, setting = self.calls if path == "/v1/calls" else self.other
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        try:
+            size = int(declared) if declared is not None else None
+        except ValueError:
+            size = None
+        if size is not None and size > limit:  # refused unread; the connection closes after the answer
+            text = str(RequestTooLarge(path, size, limit, setting))
+            body = json.dumps(Problem(error=text, fix=text.split("Fix: ", 1)[1]).model_dump()).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # raised inside the route's read: answered 413 by the AISchedError handler
+                    raise RequestTooLarge(path, None, limit, setting)
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def _token(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
@@ -67,6 +111,7 @@ def _token(request: Request) -> str | None:
 
 def build_app(plane: ControlPlane) -> FastAPI:
     app = FastAPI(title="aisched control plane", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, settings=getattr(plane, "settings", None) or Settings())
     limiter = anyio.CapacityLimiter(THREADS)
 
     async def run(fn: Any, *args: Any) -> Any:

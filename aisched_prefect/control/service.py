@@ -37,7 +37,15 @@ from aisched_prefect.control.dispatch import Dispatcher, denied, emit_budget_ale
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
 from aisched_prefect.control.watcher import Watcher
-from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest, InvalidConfig, InvalidLedgerInput
+from aisched_prefect.errors import (
+    AdmissionDenied,
+    AISchedError,
+    InvalidAIRequest,
+    InvalidConfig,
+    InvalidLedgerInput,
+    TooManyOpenApprovals,
+    shown,
+)
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import Settings
@@ -110,6 +118,34 @@ def load_or_make_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
+def role_fix(roles: tuple[str, ...]) -> str:
+    """How a caller holding the wrong kind of credential gets the right one (the CLI reads AISCHED_OPERATOR_TOKEN
+    first, then --token-file, then AISCHED_TOKEN, which holds a flow's or an approver's)."""
+    if "operator" in roles:
+        return ("run operator commands with an operator's credential: set AISCHED_OPERATOR_TOKEN to it (`aisched "
+                "serve` wrote the first one to AISCHED_HOME/operator.token) or pass --token-file FILE; AISCHED_TOKEN "
+                "holds a flow's credential, which may only run flows")
+    if "approver" in roles:
+        return "answer with an approver's credential: pass --token-file FILE, or set AISCHED_TOKEN to it"
+    return "run AI tasks with a flow's credential (AISCHED_TOKEN, issued by `aisched credentials issue`)"
+
+
+PRINCIPAL_LENGTH = 200  # the evidence log's and the holds' principal column
+
+
+def check_principal(field: str, value: object, *, exact: bool) -> str:
+    """A principal (or tenant) as the books carry it: 1 to 200 printable characters, no NUL, no space around it;
+    `exact`: one principal, not a pattern (no '*', '?', '[')."""
+    fix = f"name exactly one {field}, e.g. 'team-a/nightly' (at most {PRINCIPAL_LENGTH} characters)"
+    if not isinstance(value, str) or not 0 < len(value) <= PRINCIPAL_LENGTH:
+        raise InvalidConfig(field, value, f"a {field} is 1 to {PRINCIPAL_LENGTH} characters", fix)
+    if not value.isprintable() or value != value.strip():
+        raise InvalidConfig(field, value, f"a {field} has no NUL byte, control character or space around it", fix)
+    if exact and set("*?[") & set(value):
+        raise InvalidConfig(field, value, f"a {field} is one name, not a pattern", fix)
+    return value
+
+
 CONFIG_NAME_LENGTH = 100
 _CONFIG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -177,6 +213,7 @@ class ControlPlane:
             self.admitter = Admitter(self.ledger, self.state, self.dispatcher.inventories, self.replica)
             self.approvals = ApprovalBook(self.ledger, self.state, base_url)
             self.admitter.existing_approval = self.approvals.find
+            self.admitter.before_asking = self._check_open_approvals
             self.calls = CallBook(self.ledger, self.replica, base_url)
             chores = [(settings.drift_seconds, self.record_drift),
                       (min(settings.hold_lease_seconds / 3, 30.0), self.approvals.tend),  # holds of waiting requests
@@ -215,17 +252,51 @@ class ControlPlane:
         if cred is None or not cred.matches(token):
             raise Unauthorized("unknown or revoked credential. Fix: an operator issues one with `aisched credentials issue`")
         if roles and cred.role not in roles:
-            raise Unauthorized(f"a {cred.role} credential may not do this (needs {' or '.join(roles)})", 403)
+            raise Unauthorized(f"a {cred.role} credential may not do this (needs {' or '.join(roles)}). "
+                               f"Fix: {role_fix(roles)}", 403)
         return cred
 
     def issue(self, by: str, *, principal: str, tenant: str, role: Role, **bindings: str | None) -> tuple[str, Credential]:
-        """A new credential; its hash (never the token) becomes an evidence record."""
-        if role != "operator" and (not principal or principal != principal.strip() or set("*?[") & set(principal)):
-            raise AISchedError(f"principal {principal!r}: name exactly one principal, e.g. 'team-a/nightly'")
+        """A new credential; its hash (never the token) becomes an evidence record.
+
+        Checked first, so a mistake shows here and not at the first run: the principal and tenant are names
+        the books can carry, and every configuration it is bound to is applied on this control plane."""
+        check_principal("principal", principal, exact=role != "operator")
+        check_principal("tenant", tenant, exact=False)
+        self._check_bindings(bindings)
         token, cred = new_credential(principal=principal, tenant=tenant, role=role, created_by=by, **bindings)
         records.record(self.ledger, records.CredentialIssued(credential=cred, by=by), principal=by)
         self.state.refresh()
         return token, cred
+
+    def _check_bindings(self, bindings: dict[str, str | None]) -> None:
+        """Every configuration a credential names (authority, budget, policy, cluster) is applied here."""
+        snap = self.state.refresh()
+        for kind in ("authority", "budget", "policy", "cluster"):
+            name = bindings.get(kind)
+            if name is None or snap.config(kind, name) is not None:
+                continue
+            applied = sorted(n for k, n in snap.configs if k == kind)
+            known = f" (applied: {', '.join(applied)})" if applied else " (none is applied yet)"
+            raise InvalidConfig(kind, name, f"no {kind} {shown(name)} is applied on this control plane{known}",
+                                f"apply it first (aisched apply --{kind} {shown(name, 40)}), or name an applied one "
+                                f"with --{kind}")
+
+    def _check_open_approvals(self, cred: Credential) -> None:
+        """Refuse one more request for a person from a credential that has AISCHED_MAX_OPEN_APPROVALS open (429),
+        before anything is held for it: one flow cannot fill the approvers' queue (and hold budget) without end."""
+        import sqlalchemy as sa
+
+        from aisched_prefect.control.approvals import approvals as table
+
+        limit = self.settings.max_open_approvals
+        with self.ledger.reader.connect() as conn:
+            rows = conn.execute(sa.select(table.c.admission).where(
+                (table.c.status == "pending") & (table.c.principal == cred.principal)
+                & (table.c.deadline > time.time()))).scalars().all()
+        mine = sum(1 for adm in rows if (adm if isinstance(adm, dict) else json.loads(adm)).get("credential") == cred.id)
+        if mine >= limit:
+            raise TooManyOpenApprovals(cred.principal, mine, limit)
 
     def revoke_credential(self, by: str, credential_id: str) -> None:
         if credential_id not in self.state.refresh().credentials:
