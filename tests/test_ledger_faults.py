@@ -163,3 +163,18 @@ def test_a_database_failure_leaves_the_plane_as_a_503_with_its_cause():
     assert resp.status_code == 503
     assert "OperationalError: terminating connection due to administrator command" in resp.json()["error"]
     assert "check that the database is up" in resp.json()["fix"]
+
+
+def test_a_database_refusal_that_is_not_an_outage_still_names_its_cause():
+    import psycopg
+    from fastapi.testclient import TestClient
+
+    from aisched_prefect.control.app import build_app
+
+    class Plane:
+        def authenticate(self, *_):
+            raise psycopg.errors.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+
+    with TestClient(build_app(Plane()), raise_server_exceptions=False) as client:
+        resp = client.get("/v1/whoami", headers={"authorization": "Bearer x"})
+    assert resp.status_code == 500 and "DataError: PostgreSQL text fields cannot contain NUL" in resp.json()["error"]

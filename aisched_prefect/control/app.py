@@ -22,7 +22,7 @@ from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.approvals import ApprovalError, budget_left
 from aisched_prefect.control.service import ControlPlane, Unauthorized
 from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable, RequestTooLarge
-from aisched_prefect.ledger.engine import database_errors, described
+from aisched_prefect.ledger.engine import database_errors, described, retryable
 from aisched_prefect.settings import Settings
 from aisched_prefect.wire import FRAME, CallMeta, Problem, frame, unframe
 from blocks import ChainBroken, DelegationRefused
@@ -138,9 +138,14 @@ def build_app(plane: ControlPlane) -> FastAPI:
         return JSONResponse(Problem(error=str(exc)).model_dump(), status_code=422)
 
     async def _database(_: Request, exc: Exception) -> JSONResponse:
-        """A database failure no retry got past: 503 with its cause (the request can be sent again), never a bare 500."""
-        err = LedgerUnavailable(described(exc))
-        return JSONResponse(Problem(error=str(err), fix=str(err).split("Fix: ", 1)[1]).model_dump(), status_code=503)
+        """A database failure that reached the HTTP layer, never a bare 500: a lost or busy database is a 503 with its
+        cause (the request can be sent again); anything else names the database's refusal."""
+        if retryable(exc):
+            text = str(LedgerUnavailable(described(exc)))
+            return JSONResponse(Problem(error=text, fix=text.split("Fix: ", 1)[1]).model_dump(), status_code=503)
+        fix = "report it with the control plane's log: the control plane should have refused this request itself"
+        return JSONResponse(Problem(error=f"the ledger's database refused this request ({described(exc)}). Fix: {fix}",
+                                    fix=fix).model_dump(), status_code=500)
 
     for database_error in database_errors():
         app.add_exception_handler(database_error, _database)
