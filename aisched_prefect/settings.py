@@ -57,7 +57,7 @@ class Settings(BaseSettings):
         default=1024 * 1024, ge=1024, description="AISCHED_MAX_REQUEST_BYTES: the largest body of any other request "
         "(configuration, credentials, answers).")
     max_open_approvals: int = Field(
-        default=50, ge=1, description="AISCHED_MAX_OPEN_APPROVALS: requests one credential may have waiting for a "
+        default=100, ge=1, description="AISCHED_MAX_OPEN_APPROVALS: requests one credential may have waiting for a "
         "person at once; one more is refused (429) until some are answered or expire.")
 
     def ledger(self) -> str:

@@ -375,16 +375,11 @@ class ControlPlane:
         except Exception:
             logger.exception("could not set the tenant weights on the cluster's queue")
 
-    def _apply_limits(self, by: str) -> None:
-        """Tell the ledger the limits of every applied budget at its version (see stages.config_version).
-
-        Grant-share accounts (`<account>#<grant>`) are set by the lines of the runs that use them."""
-        for lines, version in self._limit_sets(self.state.snapshot.configs):
-            self.ledger.apply_limits(lines, version, by=by)
-
     def _limit_sets(self, configs: dict[tuple[str, str], Applied],
                     checked: tuple[str, str] | None = None) -> list[tuple[list[Any], int]]:
-        """Each applied budget's limit lines and the version they carry: its own plus the newest authority's.
+        """Each applied budget's limit lines and the version they carry: its own plus the newest authority's (see
+        stages.config_version). What an apply tells the ledger, in the transaction that records it. Grant-share
+        accounts (`<account>#<grant>`) are set by the lines of the runs that use them.
 
         The budget `checked` (one being applied) must be bookable: InvalidConfig names its account otherwise.
         Any other that cannot be booked (a record from before names were checked) is left out and logged: one
