@@ -97,11 +97,11 @@ class RequestTooLarge(AISchedError):
 
     def __init__(self, path: str, size: int | None, limit: int, setting: str) -> None:
         self.limit, self.setting = limit, setting
-        got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+        got = f"is {size} bytes, more than" if size is not None else "passed"
         fix = (f"pass large data by reference (a path or URL the task reads) instead of as an argument, or an "
                f"operator raises {setting} on the control plane" if path == "/v1/calls"
                else f"send less, or an operator raises {setting} on the control plane")
-        super().__init__(f"the request to {path} is {got}, more than the {limit} bytes this control plane takes "
+        super().__init__(f"the request to {path} {got} the {limit} bytes this control plane takes "
                          f"({setting}={limit}). Fix: {fix}")
 
 

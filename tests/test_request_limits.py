@@ -55,7 +55,7 @@ def test_a_call_streamed_past_the_limit_is_refused_while_it_streams(client):
 
     resp = client.post("/v1/calls", content=chunks(), headers={"authorization": "Bearer t"})
     _refused(resp, "AISCHED_MAX_CALL_BYTES")
-    assert f"more than {LIMIT} bytes" in resp.json()["error"]
+    assert f"passed the {LIMIT} bytes this control plane takes" in resp.json()["error"]
 
 
 def test_other_routes_have_their_own_smaller_limit(client):
