@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from aisched_prefect import ai_task
+
 from aisched_prefect.control.state import block_body
 from tests.helpers import authority, budget
 
@@ -96,3 +98,46 @@ def test_a_refused_apply_leaves_nothing_and_blocks_nothing(control_plane):
     later = f"t-{uuid.uuid4().hex[:8]}"
     assert control_plane.apply("budget", later, budget(7.0))["version"] == 1
     assert control_plane.apply("authority", later, authority())["version"] == 1
+
+
+@ai_task(gpus=1, gpu_type="H100", kind="training", est_seconds=30)
+def finetune_part(i: int) -> str:
+    return f"trained {i}"
+
+
+def test_a_credential_with_its_requests_open_is_refused_one_more(tmp_path, plane_home, gpu_cluster, prefect_api):
+    """A control plane that lets one credential keep 1 request for a person open: while one flow run of it waits
+    for a person, another's ask is refused at once (429, naming AISCHED_MAX_OPEN_APPROVALS), nothing held for it.
+
+    (The check counts requests already filed: asks of one credential racing each other can pass it together.)"""
+    import shutil
+
+    from tests.approval_helpers import Gated, page_answer
+    from tests.controlplane import ControlPlaneProcess
+    from tests.helpers import ask_for_training, tenant
+
+    home = tmp_path / "plane"
+    home.mkdir()
+    shutil.copy(plane_home / "control.key", home / "control.key")  # the key the session's workers trust
+    plane = ControlPlaneProcess(home, dask_address=gpu_cluster.scheduler_address, dask_tls=plane_home / "tls",
+                                env={"AISCHED_MAX_OPEN_APPROVALS": "1"}).start()
+
+    def run_it():
+        try:
+            return finetune_part(1)
+        except Exception as exc:  # the refused call fails its task, and so its flow run
+            return f"failed: {exc}"
+
+    try:
+        t = tenant(plane, policy=ask_for_training(120))
+        waiting = Gated(t, run_it)
+        first = waiting.approval()
+        refused = Gated(t, run_it).outcome(timeout=120)
+        assert refused.startswith("failed") and "AISCHED_MAX_OPEN_APPROVALS=1" in refused, refused
+        assert "already has 1 requests waiting for a person" in refused
+        page_answer(plane, first.id, plane.approver("alice", t.authority), reason="one at a time")
+        assert waiting.outcome(timeout=120) == "trained 1"
+        asked = [r for r in plane.ledger().records() if r.kind == "approval-requested"]
+        assert len(asked) == 1  # nothing was held or recorded for the refused one
+    finally:
+        plane.stop()
