@@ -1,7 +1,7 @@
 """What an operator (or a caller) sends the real control plane, and what it refuses at once, naming the field
 and the fix: a call too large to read, a principal no credential can carry, a credential bound to configuration
-that is not applied, an apply with a name the books cannot carry (recorded nowhere), and an operator command run
-with a flow's credential."""
+that is not applied, an apply with a name the books cannot carry (recorded nowhere), an operator command run
+with a flow's credential, and one request for a person too many."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 import pytest
 
 from aisched_prefect import ai_task
-
 from aisched_prefect.control.state import block_body
 from tests.helpers import authority, budget
 
