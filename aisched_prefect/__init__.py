@@ -8,8 +8,12 @@ from aisched_prefect.errors import (
     AISchedError,
     ConfigurationError,
     InvalidAIRequest,
+    InvalidConfig,
     InvalidUsage,
+    LedgerUnavailable,
     NoAdmissionContext,
+    RequestTooLarge,
+    TooManyOpenApprovals,
 )
 from aisched_prefect.evidence import ChainReport, EvidenceRecord, verify_chain
 from aisched_prefect.ledger import Ledger
@@ -37,11 +41,15 @@ __all__ = [
     "ControlPlaneUnavailable",
     "EvidenceRecord",
     "InvalidAIRequest",
+    "InvalidConfig",
     "InvalidUsage",
     "Ledger",
+    "LedgerUnavailable",
     "NoAdmissionContext",
     "ReportedUsage",
+    "RequestTooLarge",
     "TicketRejected",
+    "TooManyOpenApprovals",
     "ai_task",
     "checkpoint",
     "current_devices",

@@ -7,6 +7,16 @@ class AISchedError(Exception):
     """Base class for every error raised by aisched_prefect."""
 
 
+def shown(value: object, longest: int = 60) -> str:
+    """A value as an error message shows it: its repr, cut to `longest` characters (a 100,000-character name is
+    named by its start and its length, not pasted whole)."""
+    text = repr(value)
+    if len(text) <= longest:
+        return text
+    size = f" ({len(value)} characters)" if isinstance(value, (str, bytes)) else ""
+    return f"{text[:longest]}...{size}"
+
+
 class InvalidAIRequest(AISchedError, ValueError):
     """An @ai_task declared a request that cannot be valid."""
 
@@ -25,6 +35,17 @@ class AdmissionDenied(AISchedError):
 
 class ConfigurationError(AISchedError, ValueError):
     """The runner was configured with something it cannot use."""
+
+
+class InvalidConfig(AISchedError, ValueError):
+    """An operator's change (a configuration to apply, a credential to issue) that cannot be valid: refused before
+    anything is recorded, naming the field and the fix."""
+
+    status = 422
+
+    def __init__(self, what: str, value: object, rule: str, fix: str) -> None:
+        self.what, self.value, self.rule, self.fix = what, value, rule, fix
+        super().__init__(f"{what}={shown(value)}: {rule}. Fix: {fix}")
 
 
 class InvalidUsage(AISchedError, ValueError):
@@ -48,9 +69,53 @@ class InvalidLedgerInput(AISchedError, ValueError):
 
     def __init__(self, what: str, value: object, rule: str, fix: str) -> None:
         self.what, self.value, self.rule, self.fix = what, value, rule, fix
-        self.reason = f"{what}={value!r}: {rule}"
+        self.reason = f"{what}={shown(value)}: {rule}"
         super().__init__(f"{self.reason}. Fix: {fix}")
 
 
 class InvalidAmount(InvalidLedgerInput):
     """An amount given to the ledger is not a finite number in its range (NaN, inf, negative, huge)."""
+
+
+class LedgerUnavailable(AISchedError):
+    """The ledger's database could not be reached, or kept failing, after every retry; nothing was half-written.
+
+    The control plane answers 503 with the cause: the request can be sent again once the database answers.
+    """
+
+    status = 503
+
+    def __init__(self, cause: str, url: str = "", unknown: bool = False) -> None:
+        self.cause = cause
+        where = f" at {url}" if url else ""
+        outcome = (" (the connection dropped while it committed: whether the write was kept could not be read back)"
+                   if unknown else "")
+        super().__init__(f"the ledger's database{where} failed: {cause}{outcome}. Fix: check that the database is up "
+                         "and reachable from the control plane; then send the request again")
+
+
+class RequestTooLarge(AISchedError):
+    """A request body larger than the control plane takes (413); nothing of it was acted on."""
+
+    status = 413
+
+    def __init__(self, path: str, size: int | None, limit: int, setting: str) -> None:
+        self.limit, self.setting = limit, setting
+        got = f"is {size} bytes, more than" if size is not None else "passed"
+        fix = (f"pass large data by reference (a path or URL the task reads) instead of as an argument, or an "
+               f"operator raises {setting} on the control plane" if path == "/v1/calls"
+               else f"send less, or an operator raises {setting} on the control plane")
+        super().__init__(f"the request to {path} {got} the {limit} bytes this control plane takes "
+                         f"({setting}={limit}). Fix: {fix}")
+
+
+class TooManyOpenApprovals(AISchedError):
+    """A credential already has as many requests waiting for a person as the control plane allows (429)."""
+
+    status = 429
+
+    def __init__(self, principal: str, open_: int, limit: int) -> None:
+        super().__init__(f"{principal!r} already has {open_} requests waiting for a person, the most this control "
+                         f"plane allows one credential (AISCHED_MAX_OPEN_APPROVALS={limit}); nothing was held for this "
+                         "one. Fix: answer or let expire the open ones (aisched approvals list), or an operator "
+                         "raises AISCHED_MAX_OPEN_APPROVALS")

@@ -64,6 +64,17 @@ class Settings(BaseSettings):
                                     "one credential may have accepted and not ended (429 past it).")
     max_bytes_in_flight: int = Field(default=2 * 2**30, gt=0, description="AISCHED_MAX_BYTES_IN_FLIGHT: most body "
                                      "bytes (function and arguments) one credential may have in flight (429 past it).")
+    # Limits on what one caller may send: each refusal (413, 429) names its variable.
+    max_call_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, description="AISCHED_MAX_CALL_BYTES: the largest AI task call (its pickled "
+        "function and arguments) the control plane takes on /v1/calls; a larger one is refused (413) before it is read. "
+        "Pass large data by reference (a path or URL the task reads).")
+    max_request_bytes: int = Field(
+        default=1024 * 1024, ge=1024, description="AISCHED_MAX_REQUEST_BYTES: the largest body of any other request "
+        "(configuration, credentials, answers).")
+    max_open_approvals: int = Field(
+        default=100, ge=1, description="AISCHED_MAX_OPEN_APPROVALS: requests one credential may have waiting for a "
+        "person at once; one more is refused (429) until some are answered or expire.")
 
     def ledger(self) -> str:
         if self.ledger_url:

@@ -7,7 +7,9 @@ of one) and operator limit changes (newer and stale versions), with every
 invariant checked after every step:
 
 - no overspend: a reservation is granted exactly when it fits the limit in force; posted plus held
-  never exceeds the limit, except what was already committed when an operator lowered it;
+  never exceeds the limit, except what was already committed when an operator lowered it; posted never
+  passes a limit the books show (after a cut below what runs hold, a charge posts what the limit has
+  left and the rest is written off), unless it was already past it when the limit was cut;
 - a parent's posted and held equal its children's (team = flow-0 + flow-1), to the micro-unit;
 - each account's posted equals its holds' charges and the charges in the evidence, to the micro-unit,
   and the true sum of what was charged within one micro-unit;
@@ -62,6 +64,7 @@ class LedgerModel(RuleBasedStateMachine):
         self.version = 0
         self.limit: dict[str, int] = {}
         self.cap: dict[str, int] = {}  # what posted + held may reach: the limit, or more if it was lowered below use
+        self.posted_cap: dict[str, int] = {}  # what posted may reach: the limit, or what was posted when it was cut
         self.pending = dict.fromkeys(ACCOUNTS, 0)
         self.true = dict.fromkeys(ACCOUNTS, 0)  # femto-units actually charged
         self.groups: list[Group] = []
@@ -82,6 +85,7 @@ class LedgerModel(RuleBasedStateMachine):
         posted = self._posted()
         for b, m in limits.items():
             self.cap[b] = max(m, self.pending[b] + posted[b])
+            self.posted_cap[b] = max(m, posted[b])
             self.limit[b] = m
 
     def _posted(self) -> dict[str, int]:
@@ -89,11 +93,19 @@ class LedgerModel(RuleBasedStateMachine):
         posted.update({a["budget"]: to_micros(a["posted"]) for a in self.ledger.accounts()})
         return posted
 
-    def _expire(self, group: Group) -> None:
+    def _room(self, g: Group, posted: dict[str, int]) -> int:
+        """What a charge on this group may post (micro-units): within its hold, and no account past its limit."""
+        free = {b: self.limit[b] - self.pending[b] - posted[b] for b in (TEAM, g.flow)}
+        return min(min(g.reserved + max(free[b], 0), max(self.limit[b] - posted[b], 0)) for b in (TEAM, g.flow))
+
+    def _expire(self, group: Group, posted: dict[str, int]) -> None:
+        """Charged in full, as far as the limits (perhaps cut since) have room; `posted` is kept up to date."""
+        room = min(group.reserved, self._room(group, posted))
         group.status = "expired"
         for b in (TEAM, group.flow):
             self.pending[b] -= group.reserved
-            self.true[b] += group.reserved * F
+            self.true[b] += room * F
+            posted[b] += room
 
     def _lines(self, flow: str, nanos: int, stale: int) -> list[BudgetLine]:
         # The lines a flow holds: from the version in force, an older one, or none (their limits never count).
@@ -109,15 +121,17 @@ class LedgerModel(RuleBasedStateMachine):
     def reserve(self, flow: str, nanos: int, stale: int) -> None:
         want = -(-nanos * 10**6 // F)  # holds round up to the micro-unit
         posted = self._posted()
-        free = {b: self.limit[b] - self.pending[b] - posted[b] for b in (TEAM, flow)}  # expiry charges in full: the same after
+        free = {b: self.limit[b] - self.pending[b] - posted[b] for b in (TEAM, flow)}  # expiry may free room (a cut limit caps it)
         refused = None
         for b in (TEAM, flow):  # in key order, as the ledger takes them
             if want > free[b]:  # a reservation that needs the room first expires what ran out on the account
-                for g in self.groups:
+                for g in sorted(self.groups, key=lambda g: g.ids[0]):  # the ledger takes them in id order
                     if g.status == "pending" and g.run_out and b in (TEAM, g.flow):
-                        self._expire(g)
-                refused = b
-                break
+                        self._expire(g, posted)
+                free = {k: self.limit[k] - self.pending[k] - posted[k] for k in (TEAM, flow)}
+                if want > free[b]:
+                    refused = b
+                    break
         try:
             held, record = self.ledger.reserve(self._lines(flow, nanos, stale), kind="admission", payload={}, **IDS)
         except BudgetExceeded as exc:
@@ -148,7 +162,7 @@ class LedgerModel(RuleBasedStateMachine):
 
     def _settle(self, g: Group, nanos: int | None, by_flow_hold: bool) -> None:
         posted = self._posted()
-        free = {b: self.limit[b] - self.pending[b] - posted[b] for b in (TEAM, g.flow)}
+        room = self._room(g, posted)
         actual = None if nanos is None else nanos / 1e9
         out, record = self.ledger.settle([g.ids[1] if by_flow_hold else g.ids[0]], actual, kind="settlement",
                                          payload={}, **IDS)
@@ -165,8 +179,7 @@ class LedgerModel(RuleBasedStateMachine):
             return
         g.status = "posted"
         charge = nanos * 10**6
-        excess = max(0, charge - g.reserved * F)
-        expected = charge - excess + min(excess, max(min(free.values()), 0) * F)  # above the hold: what all have room for
+        expected = min(charge, room * F)  # above the hold, or past a cut limit: what all have room for
         assert len({s.charged for s in out}) == 1  # one amount on every account of the run
         for s in out:
             covered = charge - round(s.uncovered * 10**15)
@@ -193,9 +206,10 @@ class LedgerModel(RuleBasedStateMachine):
     @rule()
     def sweep(self) -> None:
         gone = [g for g in self.groups if g.status == "pending" and g.run_out]
+        posted = self._posted()
         assert sorted(self.ledger.expire_holds()) == sorted(i for g in gone for i in g.ids)
-        for g in gone:
-            self._expire(g)
+        for g in sorted(gone, key=lambda g: g.ids[0]):  # the sweep takes groups in id order (a group's id: its first hold's)
+            self._expire(g, posted)
 
     @rule()
     def process_crash(self) -> None:
@@ -224,6 +238,15 @@ class LedgerModel(RuleBasedStateMachine):
     @rule(account=st.sampled_from(ACCOUNTS), micros=st.integers(0, 4_000_000), stale=st.booleans())
     def operator_changes_a_limit(self, account: str, micros: int, stale: bool) -> None:
         self._apply({**self.limit, account: micros}, self.version - 1 if stale else self.version + 1)
+
+    @precondition(lambda self: any(self.pending[b] > 0 for b in ACCOUNTS))
+    @rule(account=st.sampled_from(ACCOUNTS), keep=st.integers(0, 100))
+    def operator_cuts_below_what_runs_hold(self, account: str, keep: int) -> None:
+        """The cut the books must survive: a limit lowered below posted plus held, while the runs still hold."""
+        held = [b for b in ACCOUNTS if self.pending[b] > 0]
+        b = account if account in held else held[0]
+        posted = self._posted()[b]
+        self._apply({**self.limit, b: posted + self.pending[b] * keep // 100}, self.version + 1)
 
     # -- invariants ------------------------------------------------------------------------
     @invariant()
@@ -258,6 +281,8 @@ class LedgerModel(RuleBasedStateMachine):
             assert to_micros(a["limit"]) == self.limit[b]
             self.cap[b] = max(self.limit[b], min(self.cap[b], pending + posted))
             assert pending + posted <= self.cap[b], f"{b} overspent"
+            self.posted_cap[b] = max(self.limit[b], min(self.posted_cap[b], posted))
+            assert posted <= self.posted_cap[b], f"{b} posted {posted} past its limit {self.limit[b]}"
         for key in ("pending", "posted"):
             team = to_micros(accounts.get(TEAM, {key: 0.0})[key])
             assert team == sum(to_micros(accounts.get(f, {key: 0.0})[key]) for f in FLOWS), f"team {key} != flows'"

@@ -112,6 +112,7 @@ class Admitter:
                  replica: str = "", existing_approval: Callable[[str, str], str | None] | None = None) -> None:
         self.ledger, self.state, self.inventories, self.replica = ledger, state, inventories, replica
         self.existing_approval = existing_approval  # (flow run, digest) -> a request on file for this call
+        self.before_asking: Callable[[Credential], None] | None = None  # may refuse a new request (raises)
         self._versions_seen: set[tuple[str, str]] = set()
 
     def deny(self, stage: str, reason: str, fix: str, payload: dict[str, Any], ids: dict[str, Any]) -> AdmissionDenied:
@@ -181,6 +182,8 @@ class Admitter:
                     payload_digest=payload_digest, code_digest=meta.code_digest, function_digest=function_digest,
                     versions=bound.versions,
                     approval=found, approval_digest=payload["approval_digest"]), found, existing=True)
+            if self.before_asking is not None:  # before anything is held: a caller with too many open is refused
+                self.before_asking(cred)
         approval_id = uuid.uuid4().hex if asking else None
 
         def build(held: list[Hold], record: EvidenceRecord) -> Admission:

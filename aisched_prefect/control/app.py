@@ -34,7 +34,9 @@ from aisched_prefect.control.approvals import (
 )
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.service import ControlPlane, Unauthorized
-from aisched_prefect.errors import AISchedError, InvalidAIRequest
+from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable, RequestTooLarge
+from aisched_prefect.ledger.engine import database_errors, described, retryable
+from aisched_prefect.settings import Settings
 from aisched_prefect.wire import FRAME, CallMeta, OutcomeOut, OutcomesOut, Problem, RunsIn, frame, unframe
 from blocks import ChainBroken, DelegationRefused
 
@@ -76,6 +78,49 @@ class DelegateIn(BaseModel):
 class RevokeIn(BaseModel):
     reason: str
     authority: str | None = None
+
+
+class BodyLimit:
+    """Refuse a request body larger than its route takes (413, naming the setting): by its Content-Length before
+    any of it is read, and while it streams in (chunked, or a length that lies), so a 300 MB call never sits in
+    the control plane's memory. `/v1/calls` and `/v1/runs` take AISCHED_MAX_CALL_BYTES, every other route
+    AISCHED_MAX_REQUEST_BYTES."""
+
+    def __init__(self, app: Any, settings: Any) -> None:
+        self.app = app
+        self.calls = (settings.max_call_bytes, "AISCHED_MAX_CALL_BYTES")
+        self.other = (settings.max_request_bytes, "AISCHED_MAX_REQUEST_BYTES")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        limit, setting = self.calls if path in ("/v1/calls", "/v1/runs") else self.other
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        try:
+            size = int(declared) if declared is not None else None
+        except ValueError:
+            size = None
+        if size is not None and size > limit:  # refused unread; the connection closes after the answer
+            text = str(RequestTooLarge(path, size, limit, setting))
+            body = json.dumps(Problem(error=text, fix=text.split("Fix: ", 1)[1]).model_dump()).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # raised inside the route's read: answered 413 by the AISchedError handler
+                    raise RequestTooLarge(path, None, limit, setting)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _token(request: Request) -> str | None:
@@ -186,6 +231,7 @@ def same_site(request: Request, base_url: str = "") -> bool:
 def build_app(plane: ControlPlane) -> FastAPI:
     # No /docs, /redoc or /openapi.json: the API's shape is in docs/reference, not served to any visitor.
     app = FastAPI(title="aisched control plane", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, settings=getattr(plane, "settings", None) or Settings())
     limiter = anyio.CapacityLimiter(THREADS)
     sessions = Sessions(plane)
 
@@ -224,6 +270,19 @@ def build_app(plane: ControlPlane) -> FastAPI:
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse(Problem(error=str(exc)).model_dump(), status_code=422)
+
+    async def _database(_: Request, exc: Exception) -> JSONResponse:
+        """A database failure that reached the HTTP layer, never a bare 500: a lost or busy database is a 503 with its
+        cause (the request can be sent again); anything else names the database's refusal."""
+        if retryable(exc):
+            text = str(LedgerUnavailable(described(exc)))
+            return JSONResponse(Problem(error=text, fix=text.split("Fix: ", 1)[1]).model_dump(), status_code=503)
+        fix = "report it with the control plane's log: the control plane should have refused this request itself"
+        return JSONResponse(Problem(error=f"the ledger's database refused this request ({described(exc)}). Fix: {fix}",
+                                    fix=fix).model_dump(), status_code=500)
+
+    for database_error in database_errors():
+        app.add_exception_handler(database_error, _database)
 
     @app.get("/v1/health")
     async def health() -> JSONResponse:

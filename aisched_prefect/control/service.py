@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,15 @@ from aisched_prefect.control.dispatch import BodyParts, Dispatcher, denied, emit
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
 from aisched_prefect.control.watcher import Watcher
-from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest
+from aisched_prefect.errors import (
+    AdmissionDenied,
+    AISchedError,
+    InvalidAIRequest,
+    InvalidConfig,
+    InvalidLedgerInput,
+    TooManyOpenApprovals,
+    shown,
+)
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import Settings
@@ -129,6 +138,50 @@ def load_or_make_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
+def role_fix(roles: tuple[str, ...]) -> str:
+    """How a caller holding the wrong kind of credential gets the right one (the CLI reads AISCHED_OPERATOR_TOKEN
+    first, then --token-file, then AISCHED_TOKEN, which holds a flow's or an approver's)."""
+    if "operator" in roles:
+        return ("run operator commands with an operator's credential: set AISCHED_OPERATOR_TOKEN to it (`aisched "
+                "serve` wrote the first one to AISCHED_HOME/operator.token) or pass --token-file FILE; AISCHED_TOKEN "
+                "holds a flow's credential, which may only run flows")
+    if "approver" in roles:
+        return "answer with an approver's credential: pass --token-file FILE, or set AISCHED_TOKEN to it"
+    return "run AI tasks with a flow's credential (AISCHED_TOKEN, issued by `aisched credentials issue`)"
+
+
+PRINCIPAL_LENGTH = 200  # the evidence log's and the holds' principal column
+
+
+def check_principal(field: str, value: object, *, exact: bool) -> str:
+    """A principal (or tenant) as the books carry it: 1 to 200 printable characters, no NUL, no space around it;
+    `exact`: one principal, not a pattern (no '*', '?', '[')."""
+    fix = f"name exactly one {field}, e.g. 'team-a/nightly' (at most {PRINCIPAL_LENGTH} characters)"
+    if not isinstance(value, str) or not 0 < len(value) <= PRINCIPAL_LENGTH:
+        raise InvalidConfig(field, value, f"a {field} is 1 to {PRINCIPAL_LENGTH} characters", fix)
+    if not value.isprintable() or value != value.strip():
+        raise InvalidConfig(field, value, f"a {field} has no NUL byte, control character or space around it", fix)
+    if exact and set("*?[") & set(value):
+        raise InvalidConfig(field, value, f"a {field} is one name, not a pattern", fix)
+    return value
+
+
+CONFIG_NAME_LENGTH = 100
+_CONFIG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_config_name(kind: str, name: object) -> str:
+    """A configuration's name as the books, the CLI and Prefect can carry it: 1 to 100 letters, digits, '.', '_'
+    or '-', starting with a letter or digit (no '/', which separates a budget from its limits; no NUL)."""
+    fix = f"name the {kind} block like a Prefect block, e.g. 'team-a' (at most {CONFIG_NAME_LENGTH} characters)"
+    if not isinstance(name, str) or not 0 < len(name) <= CONFIG_NAME_LENGTH:
+        raise InvalidConfig(f"{kind} name", name, f"a name is 1 to {CONFIG_NAME_LENGTH} characters", fix)
+    if not _CONFIG_NAME.fullmatch(name):
+        raise InvalidConfig(f"{kind} name", name, "a name has only letters, digits, '.', '_' and '-', and starts "
+                            "with a letter or digit", fix)
+    return name
+
+
 class ControlPlane:
     """Admission, dispatch, settlement, approvals, authority and evidence for every flow that calls it."""
 
@@ -188,6 +241,7 @@ class ControlPlane:
             self.admitter = Admitter(self.ledger, self.state, self.dispatcher.inventories, self.replica)
             self.approvals = ApprovalBook(self.ledger, self.state, base_url)
             self.admitter.existing_approval = self.approvals.find
+            self.admitter.before_asking = self._check_open_approvals
             self.calls = CallBook(self.ledger, self.replica, base_url)
             self.outcomes = OutcomeBook(settings.session_lease_seconds, on_abandoned=self.abandon)
             chores = [(settings.drift_seconds, self.record_drift),
@@ -230,17 +284,51 @@ class ControlPlane:
         if cred is None or not cred.matches(token):
             raise Unauthorized("unknown or revoked credential. Fix: an operator issues one with `aisched credentials issue`")
         if roles and cred.role not in roles:
-            raise Unauthorized(f"a {cred.role} credential may not do this (needs {' or '.join(roles)})", 403)
+            raise Unauthorized(f"a {cred.role} credential may not do this (needs {' or '.join(roles)}). "
+                               f"Fix: {role_fix(roles)}", 403)
         return cred
 
     def issue(self, by: str, *, principal: str, tenant: str, role: Role, **bindings: str | None) -> tuple[str, Credential]:
-        """A new credential; its hash (never the token) becomes an evidence record."""
-        if role != "operator" and (not principal or principal != principal.strip() or set("*?[") & set(principal)):
-            raise AISchedError(f"principal {principal!r}: name exactly one principal, e.g. 'team-a/nightly'")
+        """A new credential; its hash (never the token) becomes an evidence record.
+
+        Checked first, so a mistake shows here and not at the first run: the principal and tenant are names
+        the books can carry, and every configuration it is bound to is applied on this control plane."""
+        check_principal("principal", principal, exact=role != "operator")
+        check_principal("tenant", tenant, exact=False)
+        self._check_bindings(bindings)
         token, cred = new_credential(principal=principal, tenant=tenant, role=role, created_by=by, **bindings)
         records.record(self.ledger, records.CredentialIssued(credential=cred, by=by), principal=by)
         self.state.refresh()
         return token, cred
+
+    def _check_bindings(self, bindings: dict[str, str | None]) -> None:
+        """Every configuration a credential names (authority, budget, policy, cluster) is applied here."""
+        snap = self.state.refresh()
+        for kind in ("authority", "budget", "policy", "cluster"):
+            name = bindings.get(kind)
+            if name is None or snap.config(kind, name) is not None:
+                continue
+            applied = sorted(n for k, n in snap.configs if k == kind)
+            known = f" (applied: {', '.join(applied)})" if applied else " (none is applied yet)"
+            raise InvalidConfig(kind, name, f"no {kind} {shown(name)} is applied on this control plane{known}",
+                                f"apply it first (aisched apply --{kind} {shown(name, 40)}), or name an applied one "
+                                f"with --{kind}")
+
+    def _check_open_approvals(self, cred: Credential) -> None:
+        """Refuse one more request for a person from a credential that has AISCHED_MAX_OPEN_APPROVALS open (429),
+        before anything is held for it: one flow cannot fill the approvers' queue (and hold budget) without end."""
+        import sqlalchemy as sa
+
+        from aisched_prefect.control.approvals import approvals as table
+
+        limit = self.settings.max_open_approvals
+        with self.ledger.reader.connect() as conn:
+            rows = conn.execute(sa.select(table.c.admission).where(
+                (table.c.status == "pending") & (table.c.principal == cred.principal)
+                & (table.c.deadline > time.time()))).scalars().all()
+        mine = sum(1 for adm in rows if (adm if isinstance(adm, dict) else json.loads(adm)).get("credential") == cred.id)
+        if mine >= limit:
+            raise TooManyOpenApprovals(cred.principal, mine, limit)
 
     def revoke_credential(self, by: str, credential_id: str) -> None:
         if credential_id not in self.state.refresh().credentials:
@@ -258,10 +346,16 @@ class ControlPlane:
 
     # -- configuration ----------------------------------------------------------------------
     def apply(self, by: str, kind: str, name: str, body: dict[str, Any]) -> Applied:
-        """Apply a block's content: from now on it is what admission reads. Same content: nothing changes."""
+        """Apply a block's content: from now on it is what admission reads. Same content: nothing changes.
+
+        Everything is checked before anything is recorded (the name, the content, and for a budget the
+        accounts the ledger must book), and the configuration record and the limits it sets are written in
+        one transaction: a refused change leaves nothing behind."""
         cls = CONFIG_KINDS.get(kind)
         if cls is None:
-            raise AISchedError(f"kind {kind!r}: apply one of {sorted(CONFIG_KINDS)}")
+            raise InvalidConfig("kind", kind, f"apply one of {', '.join(sorted(CONFIG_KINDS))}",
+                                "name the block's kind in the URL: /v1/config/<kind>/<name>")
+        check_config_name(kind, name)
         try:
             model = cls.model_validate(body)
         except Exception as exc:
@@ -272,19 +366,23 @@ class ControlPlane:
                 raise AISchedError(f"authority {name!r} cannot be applied: " + "; ".join(problems))
         canonical = json.loads(model.model_dump_json(include=set(cls.model_fields)))
         digest_ = content_digest(canonical)
-        current = self.state.refresh().config(kind, name)
+        snap = self.state.refresh()
+        current = snap.config(kind, name)
         if self.state.broken is not None:
             raise AISchedError(f"the evidence log is broken ({self.state.broken}): nothing is applied until it is "
                                "restored. Fix: investigate the database (aisched evidence verify --checkpoint DIR)")
         if current is not None and current.digest == digest_:
             return current
         version = (current.version if current else 0) + 1
-        records.record(self.ledger, records.ConfigApplied(config_kind=kind, name=name, version=version, digest=digest_,
-                                                          body=canonical, by=by), principal=by)
+        item = records.ConfigApplied(config_kind=kind, name=name, version=version, digest=digest_, body=canonical, by=by)
+        limits: list[tuple[list[Any], int]] = []
+        if kind in ("budget", "authority"):  # a lowered limit applies to the next reservation, in every process
+            configs = {**snap.configs, (kind, name): Applied(kind=kind, name=name, version=version, digest=digest_,
+                                                             seq=-1, body=canonical, model=model)}
+            limits = self._limit_sets(configs, checked=(kind, name) if kind == "budget" else None)
+        self.ledger.record_with_limits(item.kind, records._wire(item), limits, by=by)
         applied = self.state.refresh().config(kind, name)
         assert applied is not None
-        if kind in ("budget", "authority"):  # a lowered limit applies to the next reservation, in every process
-            self._apply_limits(by)
         if kind == "cluster":  # its tenant weights reach the queue now (model limits are read per call)
             self._set_queue_weights()
         return applied
@@ -340,20 +438,39 @@ class ControlPlane:
         except Exception:
             logger.exception("could not set the tenant weights on the cluster's queue")
 
-    def _apply_limits(self, by: str) -> None:
-        """Tell the ledger the limits of every applied budget at its version (see stages.config_version).
+    def _limit_sets(self, configs: dict[tuple[str, str], Applied],
+                    checked: tuple[str, str] | None = None) -> list[tuple[list[Any], int]]:
+        """Each applied budget's limit lines and the version they carry: its own plus the newest authority's (see
+        stages.config_version). What an apply tells the ledger, in the transaction that records it. Grant-share
+        accounts (`<account>#<grant>`) are set by the lines of the runs that use them.
 
-        Grant-share accounts (`<account>#<grant>`) are set by the lines of the runs that use them."""
-        from aisched_prefect.control import stages
+        The budget `checked` (one being applied) must be bookable: InvalidConfig names its account otherwise.
+        Any other that cannot be booked (a record from before names were checked) is left out and logged: one
+        bad record in the log never blocks the applies that follow it."""
+        from aisched_prefect.ledger.limits import check_line
 
-        snap = self.state.snapshot
-        for (kind, name), budget in snap.configs.items():
+        authorities = [a.version for (k, _), a in configs.items() if k == "authority"]
+        now = self.ledger.now()
+        out: list[tuple[list[Any], int]] = []
+        for (kind, name), budget in sorted(configs.items()):
             if kind != "budget":
                 continue
-            authorities = [a.version for (k, _), a in snap.configs.items() if k == "authority"]
             version = budget.version + max(authorities, default=0)
-            self.ledger.apply_limits(budget.model.limit_lines(name, self.ledger.now(), config_version=version), version,
-                                     by=by)
+            try:
+                lines = budget.model.limit_lines(name, now, config_version=version)
+                for i, line in enumerate(lines):
+                    check_line(line, f"budget {name!r} account {i}")
+            except (ValueError, InvalidLedgerInput) as exc:
+                if (kind, name) == checked:
+                    why = " ".join(str(exc).split()[:40])  # one line: pydantic's errors span several
+                    raise InvalidConfig("budget", name, f"the ledger cannot book its accounts ({why})",
+                                        "shorten the budget's name or its limits' names (an account, "
+                                        "<budget>/<limit>, is at most 200 characters)") from None
+                logger.warning("budget %r (applied version %s) cannot be booked and is left out of the limits: %s",
+                               name[:60], budget.version, exc)
+                continue
+            out.append((lines, version))
+        return out
 
     # -- grants -----------------------------------------------------------------------------
     def delegate(self, caller: Credential, parent: str, *, id: str, principal: str, authority: str | None = None,

@@ -17,7 +17,7 @@ One concern per module:
 - `api`: the `Ledger` that ties them together
 """
 
-from aisched_prefect.errors import InvalidAmount, InvalidLedgerInput
+from aisched_prefect.errors import InvalidAmount, InvalidLedgerInput, LedgerUnavailable
 from aisched_prefect.ledger.alerts import ALERT_REARM_POINTS, ALERT_THRESHOLDS
 from aisched_prefect.ledger.amounts import FEMTOS, MAX_LEASE_SECONDS, MICROS, from_micros, to_micros
 from aisched_prefect.ledger.api import DEFAULT_LEASE_SECONDS, Ledger
@@ -55,6 +55,7 @@ __all__ = [
     "InvalidLedgerInput",
     "LEDGER_URL_ENV",
     "Ledger",
+    "LedgerUnavailable",
     "LimitsApplied",
     "MAX_LEASE_SECONDS",
     "MICROS",

@@ -225,6 +225,26 @@ class Ledger:
         checked = [check_line(line, f"lines[{i}]")[0] for i, line in enumerate(lines)]
         return self._write(apply_limits_op(checked, version, by))
 
+    def record_with_limits(self, kind: str, payload: dict[str, Any], limits: list[tuple[list[BudgetLine], int]], *,
+                           by: str | None = None) -> EvidenceRecord:
+        """Append one record and apply these versions of the budget configuration with it, in one transaction.
+
+        An applied configuration and the limits it sets are kept together or not at all: every line is
+        checked here, before anything is written (InvalidLedgerInput names the first that cannot be booked),
+        and a failure on the way leaves neither behind.
+        """
+        checked = [([check_line(line, f"lines[{i}]")[0] for i, line in enumerate(lines)], check_version(version))
+                   for lines, version in limits]
+        ids = _ids(None, None, by)
+
+        def op(w: WriteBatch) -> EvidenceRecord:
+            record = w.append(kind, payload, ids)
+            for lines, version in checked:
+                apply_limits_op(lines, version, by)(w)
+            return record
+
+        return self._write(op)
+
     def limits(self) -> list[dict[str, Any]]:
         """The applied configuration of every budget that has one: limit, unit, window and version."""
         return queries.list_limits(self.reader)

@@ -10,7 +10,6 @@ one clock.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from sqlalchemy.engine import Connection
 from aisched_prefect.evidence import EvidenceRecord
 from aisched_prefect.ledger.alerts import crossed
 from aisched_prefect.ledger.amounts import FEMTOS, post_amount
-from aisched_prefect.ledger.evidence_log import next_record
+from aisched_prefect.ledger.evidence_log import check_ids, next_record, payload_json
 from aisched_prefect.ledger.records import BudgetAlert
 from aisched_prefect.ledger.limits import Config, rolling_seconds
 from aisched_prefect.ledger.statements import (
@@ -36,13 +35,16 @@ NO_IDS = {"flow_run_id": None, "task_run_id": None, "principal": None}
 class Account:
     """One budget account as the current transaction sees it (micro-units; carry in femto-units)."""
 
-    __slots__ = ("budget", "period", "unit", "limit", "pending", "posted", "alerted", "carry", "rolling", "dirty")
+    __slots__ = ("budget", "period", "unit", "limit", "pending", "posted", "alerted", "carry", "rolling", "dirty", "new",
+                 "kept")
 
-    def __init__(self, budget: str, period: str, row: tuple[Any, ...]) -> None:
+    def __init__(self, budget: str, period: str, row: tuple[Any, ...], new: bool = False) -> None:
         self.budget, self.period = budget, period
         self.limit, self.pending, self.posted, self.alerted, self.unit, self.carry = row
         self.rolling: float | None = None
         self.dirty = False
+        self.new = new  # not in the database yet: inserted at flush only if a write that succeeded kept it
+        self.kept = not new
 
     @property
     def free(self) -> int:
@@ -67,6 +69,7 @@ class WriteBatch:
         self.new_holds: set[str] = set()
         self.dirty_holds: set[str] = set()
         self.evidence: list[dict[str, Any]] = []
+        self._payload_texts: list[str] = []  # each record's payload as stored (checked JSON), in order
         self.alerts: list[BudgetAlert] = []
 
     @property
@@ -106,8 +109,8 @@ class WriteBatch:
         if row is None:
             if create is None:
                 raise LookupError(f"no budget account {budget!r} ({period}) in the ledger")
-            self.sql.account_insert.run(self.cur, v_budget=budget, v_period=period, v_limit=create[0], v_unit=create[1])
-            acct = Account(budget, period, (create[0], 0, 0, 0, create[1], 0))
+            # Not inserted yet: a reservation refused for want of room must leave no account behind (`keep`).
+            acct = Account(budget, period, (create[0], 0, 0, 0, create[1], 0), new=True)
             self.config(budget)
         else:
             acct = Account(budget, period, row[:6])  # limit, pending, posted, alerted, unit, carry
@@ -119,6 +122,10 @@ class WriteBatch:
         if cfg is not None and (acct.limit, acct.unit) != (cfg.limit, cfg.unit):
             acct.limit, acct.unit, acct.dirty = cfg.limit, cfg.unit, True
         return acct
+
+    def keep(self, acct: Account) -> None:
+        """The account is part of a write that succeeds: a new one is inserted at flush."""
+        acct.kept = True
 
     def set_window(self, acct: Account, rolling: float | None) -> None:
         """Count only what was charged inside the account's rolling window (by the database's clock), if it has one.
@@ -177,13 +184,16 @@ class WriteBatch:
         """Charge each hold `charge` femto-units: one micro-unit amount for all, so nested accounts stay equal.
 
         The holds are pending, of one reservation, each on its own account,
-        all of one size. A charge within the hold posts in full, whatever the
-        limit is now (the hold was the promise); above it, only what every
-        account still has room for. Returns the part of `charge` posted.
+        all of one size. A charge within the hold posts in full while the
+        limits are those it was taken under (the hold was the promise); above
+        it, only what every account still has room for. Posted never passes a
+        limit the books show: where an operator cut a limit below what was
+        held, a charge posts only what that limit has left, and the rest is
+        written off (uncovered, in the evidence). Returns the part of `charge` posted.
         """
         accts = [self.accounts[(h["budget"], h["period"])] for h in hs]
         reserved = hs[0]["reserved_micros"]
-        cap = min(reserved + max(a.free, 0) for a in accts)
+        cap = min(min(reserved + max(a.free, 0), max(a.limit - a.posted, 0)) for a in accts)
         posted, covered = post_amount(charge, [a.carry for a in accts], cap)
         for h, a in zip(hs, accts):
             a.pending -= h["reserved_micros"]
@@ -204,16 +214,23 @@ class WriteBatch:
 
     # -- evidence ------------------------------------------------------------------------
     def append(self, kind: str, payload: dict[str, Any], ids: dict[str, Any]) -> EvidenceRecord:
-        """Append one evidence record to the chain, in this transaction."""
+        """Append one evidence record to the chain, in this transaction.
+
+        The record is checked first, so both backends refuse what one of them could not store (SQLite takes
+        NaN and NUL bytes that Postgres refuses): InvalidLedgerInput, and the write that appended it fails alone.
+        """
+        check_ids(kind, ids)
         row = next_record(self.head, self.now, kind, payload, ids, self.signer)
+        text = payload_json(kind, row["payload"])
         self.evidence.append(row)
+        self._payload_texts.append(text)
         self.head = (row["seq"], row["hash"])
         return EvidenceRecord.model_construct(**row)
 
     # -- the end of the transaction ------------------------------------------------------
     def flush(self) -> None:
         sql, cur = self.sql, self.cur
-        self.alerts = crossed([a for a in self.accounts.values() if a.dirty])
+        self.alerts = crossed([a for a in self.accounts.values() if a.dirty and a.kept])
         if self.alerts:
             self.append("budget-alert", {"alerts": [a.model_dump() for a in self.alerts]}, NO_IDS)
         for budget, cfg in sorted(self.config_changes.items()):
@@ -223,7 +240,10 @@ class WriteBatch:
             else:
                 sql.limit_insert.run(cur, v_budget=budget, **values)
             sql.account_limit_update.run(cur, k_budget=budget, v_limit=cfg.limit, v_unit=cfg.unit)
-        dirty = sorted((a for a in self.accounts.values() if a.dirty), key=lambda a: (a.budget, a.period))
+        for a in sorted((a for a in self.accounts.values() if a.new and a.kept), key=lambda a: (a.budget, a.period)):
+            sql.account_insert.run(cur, v_budget=a.budget, v_period=a.period, v_limit=a.limit, v_unit=a.unit)
+            a.new, a.dirty = False, True
+        dirty = sorted((a for a in self.accounts.values() if a.dirty and not a.new), key=lambda a: (a.budget, a.period))
         if dirty:
             sql.account_update.many(cur, [dict(k_budget=a.budget, k_period=a.period, v_limit=a.limit, v_pending=a.pending,
                                                v_posted=a.posted, v_alerted=a.alerted, v_unit=a.unit, v_carry=a.carry)
@@ -237,6 +257,6 @@ class WriteBatch:
                                         "v_settled": self.holds[i]["settled_at"], "v_lease": self.holds[i]["lease_until"]}
                                        for i in sorted(changed)])
         if self.evidence:
-            sql.evidence_insert.rows(cur, EVIDENCE_VALUES, [tuple(json.dumps(r[c]) if c == "payload" else r[c]
-                                                                  for c in EVIDENCE_COLUMNS) for r in self.evidence])
+            sql.evidence_insert.rows(cur, EVIDENCE_VALUES, [tuple(text if c == "payload" else r[c] for c in EVIDENCE_COLUMNS)
+                                                    for r, text in zip(self.evidence, self._payload_texts)])
             sql.head_update.run(cur, v_seq=self.head[0], v_hash=self.head[1])

@@ -38,6 +38,8 @@ def reserve_op(lines: list[Line], lease: float, kind: str, payload: dict[str, An
                 expire_account(w, acct)  # lazily: only a reservation that needs the room looks for run-out leases
             if line.want > acct.free:
                 raise BudgetExceeded(acct.budget, acct.period, acct.limit, acct.pending, acct.posted, line.want, acct.unit)
+        for acct in accts:  # it fits: a new account is written with it (a refused one leaves none behind)
+            w.keep(acct)
         group = str(uuid.uuid4())
         taken: list[dict[str, Any]] = []
         new: list[dict[str, Any]] = []
@@ -68,7 +70,7 @@ def _order(h: dict[str, Any]) -> tuple[Any, ...]:
     return (h["budget"], h["period"], -1 if seq is None else seq, h["created_at"], h["id"])
 
 
-def _post_sets(w: Any, items: list[tuple[dict[str, Any], int]], covered: dict[str, int]) -> None:
+def _post_sets(w: Any, items: list[tuple[dict[str, Any], int]], covered: dict[str, int], status: str = "posted") -> None:
     """Post each hold its charge (femto-units); the holds of one reservation with one charge post one amount."""
     sets: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for h, charge in items:
@@ -80,7 +82,7 @@ def _post_sets(w: Any, items: list[tuple[dict[str, Any], int]], covered: dict[st
             for h in members:
                 (later if (h["budget"], h["period"]) in seen else now).append(h)
                 seen.add((h["budget"], h["period"]))
-            done = w.post(now, charge, "posted")
+            done = w.post(now, charge, status)
             for h in now:
                 covered[h["id"]] = done
             members = later
@@ -176,14 +178,18 @@ def expire_groups(w: Any, groups: list[str]) -> list[dict[str, Any]]:
             continue  # renewed, or settled, earlier in this transaction
         for h in hs:
             w.account(h["budget"], h["period"])
-            w.post([h], h["reserved_micros"] * FEMTOS, "expired")
             by_account.setdefault((h["budget"], h["period"]), []).append(h)
+        # The holds of one size post together: one amount on every account, also where a cut limit caps it.
+        _post_sets(w, [(h, h["reserved_micros"] * FEMTOS) for h in sorted(hs, key=_order)], {}, "expired")
     gone = []
     for (budget, period), hs in sorted(by_account.items()):
         w.append("hold-expired", {
             "budget": budget, "period": period, "unit": hs[0]["unit"],
             "holds": [{"id": h["id"], "task_run_id": h["task_run_id"], "charged": from_micros(h["charged_micros"]),
-                       "group": h["group_id"]} for h in hs],
+                       "group": h["group_id"],
+                       # written off: a limit cut below what was held had no room for the whole hold
+                       **({"uncovered": from_micros(h["reserved_micros"] - h["charged_micros"])}
+                          if h["charged_micros"] < h["reserved_micros"] else {})} for h in hs],
             "rule": EXPIRY_RULE}, {"flow_run_id": None, "task_run_id": None, "principal": None})
         gone += hs
     return gone

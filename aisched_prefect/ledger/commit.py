@@ -16,6 +16,15 @@ each write in a transaction of its own, so only the culprit fails.
 
 A write runs again after such a failure: it must do everything through the
 batch it is given (and `batch.conn`), nothing it cannot repeat.
+
+A dropped connection (the server ended the session: `pg_terminate_backend`,
+a restart, a failover) is such a failure: the dead connection is discarded,
+never handed back to the pool, and the transaction runs again on a new one.
+Where it dropped during COMMIT, the outcome is unknown: the batch's last
+evidence record (its seq and hash are unique) is read back, so a batch that
+did commit is not written twice; a batch that appended no evidence holds only
+writes that are safe to repeat (renewals, marks, checkpoints). What still
+fails after the retries fails with `LedgerUnavailable`, naming the cause.
 """
 
 from __future__ import annotations
@@ -27,10 +36,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from aisched_prefect.errors import LedgerUnavailable
 from aisched_prefect.ledger.batch import WriteBatch
-from aisched_prefect.ledger.engine import retryable
+from aisched_prefect.ledger.engine import described, dropped, retryable, safe_url
+from aisched_prefect.ledger.schema import evidence
 from aisched_prefect.ledger.records import BudgetAlert, BudgetExceeded
 from aisched_prefect.ledger.statements import Statements
 
@@ -56,6 +68,13 @@ class _OpFailed(Exception):
 
     def __init__(self, pending: Pending, error: Exception) -> None:
         self.pending, self.error = pending, error
+
+
+class _CommitUnknown(Exception):
+    """The connection dropped during COMMIT: the transaction may or may not have committed."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 class GroupCommit:
@@ -98,9 +117,12 @@ class GroupCommit:
             self._conn = self.engine.connect()
         return self._conn
 
-    def _drop_connection(self) -> None:
+    def _drop_connection(self, dead: bool = False) -> None:
+        """Close the kept connection; a `dead` one is invalidated, so the pool never hands it out again."""
         if self._conn is not None:
             try:
+                if dead:
+                    self._conn.invalidate()
                 self._conn.close()
             except Exception:
                 pass
@@ -112,6 +134,7 @@ class GroupCommit:
         while todo:
             for p in todo:
                 p.value, p.error = None, None
+            writes: WriteBatch | None = None
             try:
                 conn = self._connection()
                 with self._transaction(conn):
@@ -131,13 +154,33 @@ class GroupCommit:
                 failed.pending.error = failed.error
                 todo.remove(failed.pending)
                 self._drop_connection_if_broken()
+            except _CommitUnknown as unknown:  # the connection dropped in COMMIT: read back whether it committed
+                self._drop_connection(dead=True)
+                assert writes is not None
+                committed = self._committed(writes)
+                if committed:
+                    return writes.alerts
+                if committed is None or tries >= MAX_RETRIES:
+                    err = LedgerUnavailable(described(unknown.error), safe_url(str(self.engine.url)),
+                                            unknown=committed is None)
+                    for p in todo:
+                        p.value, p.error = None, err
+                    return []
+                tries += 1
+                self.retries += 1
+                continue
             except Exception as exc:
-                self._drop_connection()
+                self._drop_connection(dead=dropped(exc))
                 if retryable(exc) and tries < MAX_RETRIES:
                     tries += 1
                     self.retries += 1
                     time.sleep(random.uniform(0, min(0.2, 0.002 * 2 ** tries)))
                     continue
+                if retryable(exc):  # the database's doing, every time: each write hears the cause
+                    err = LedgerUnavailable(described(exc), safe_url(str(self.engine.url)))
+                    for p in todo:
+                        p.value, p.error = None, err
+                    return []
                 if len(todo) > 1:  # no write owns this failure: run each alone, so only the culprit fails
                     alerts: list[BudgetAlert] = []
                     for p in todo:
@@ -165,15 +208,46 @@ class GroupCommit:
         try:
             yield
         except BaseException:
-            if conn.in_transaction():
-                conn.rollback()
-            else:
-                raw.rollback()
+            try:
+                if conn.in_transaction():
+                    conn.rollback()
+                else:
+                    raw.rollback()
+            except Exception:  # a dead connection cannot roll back (the server already did): the first error counts
+                self._drop_connection(dead=True)
             raise
-        if conn.in_transaction():
-            conn.commit()
-        else:
-            raw.commit()
+        try:
+            if conn.in_transaction():
+                conn.commit()
+            else:
+                self._commit_raw(raw)
+        except Exception as exc:
+            if dropped(exc):
+                raise _CommitUnknown(exc) from exc
+            raise
+
+    @staticmethod
+    def _commit_raw(raw: Any) -> None:
+        raw.commit()
+
+    def _committed(self, writes: WriteBatch) -> bool | None:
+        """Whether a batch whose COMMIT lost its connection was kept: its last record is in the log with its hash.
+
+        A batch that appended no record is taken as not kept (its writes are safe to repeat). None: the log
+        could not be read back, after as many tries as a transaction gets."""
+        if not writes.evidence:
+            return False
+        seq, hash_ = writes.head
+        for attempt in range(MAX_RETRIES):
+            try:
+                with self.engine.connect() as conn:
+                    found = conn.execute(sa.select(evidence.c.hash).where(evidence.c.seq == seq)).scalar()
+                return found == hash_
+            except Exception as exc:
+                if not retryable(exc):
+                    return None
+                time.sleep(random.uniform(0, min(0.2, 0.002 * 2 ** (attempt + 1))))
+        return None
 
     def _drop_connection_if_broken(self) -> None:
         conn = self._conn

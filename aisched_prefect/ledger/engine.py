@@ -65,16 +65,69 @@ def clock(dialect: sa.engine.Dialect) -> Any:
 
 
 RETRY_SQLSTATES = {"40001", "40P01"}  # serialization failure, deadlock detected
+# The server ended the session (pg_terminate_backend, a restart, a failover): the connection is gone.
+DROPPED_SQLSTATES = {"57P01", "57P02", "57P03"}  # admin shutdown, crash shutdown, cannot connect now
+
+
+def _driver_error(exc: BaseException) -> BaseException:
+    """The driver's own exception: the write path runs on the raw DBAPI cursor, so it is not always wrapped."""
+    return exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None else exc
+
+
+def dropped(exc: BaseException) -> bool:
+    """The connection is gone (the server ended it, or the network did): discard it and run the work again.
+
+    Recognised whether SQLAlchemy wrapped the error or psycopg raised it from the raw cursor (or from
+    `rollback()` on the dead connection): a psycopg OperationalError of a connection class (08, 57P0x) or with
+    no SQLSTATE at all (the client noticed the socket closed), or an InterfaceError on a closed connection.
+    """
+    if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    orig = _driver_error(exc)
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - SQLite-only installs
+        return False
+    if isinstance(orig, psycopg.OperationalError):
+        state = getattr(orig, "sqlstate", None)
+        return state is None or state.startswith("08") or state in DROPPED_SQLSTATES
+    return isinstance(orig, psycopg.InterfaceError) and "closed" in str(orig)
 
 
 def retryable(exc: BaseException) -> bool:
     """A failure that says nothing about the writes themselves: run them again."""
-    if isinstance(exc, sa.exc.DBAPIError):
-        if exc.connection_invalidated:
-            return True
-        orig = exc.orig
-        if getattr(orig, "sqlstate", None) in RETRY_SQLSTATES:
-            return True
-        if isinstance(orig, sqlite3.OperationalError) and ("locked" in str(orig) or "busy" in str(orig)):
-            return True
+    if dropped(exc):
+        return True
+    orig = _driver_error(exc)
+    if getattr(orig, "sqlstate", None) in RETRY_SQLSTATES:
+        return True
+    if isinstance(orig, sqlite3.OperationalError) and ("locked" in str(orig) or "busy" in str(orig)):
+        return True
     return False
+
+
+def described(exc: BaseException) -> str:
+    """The cause of a database failure in one line: the driver's class and first line of its message."""
+    orig = _driver_error(exc)
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return f"{type(orig).__name__}: {first}" if first else type(orig).__name__
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    try:
+        return sa.engine.make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
+
+
+def database_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes a database failure arrives as: SQLAlchemy's, and the drivers' own (raw cursors)."""
+    out: list[type[BaseException]] = [sa.exc.DBAPIError, sqlite3.Error]
+    try:
+        import psycopg
+
+        out.append(psycopg.Error)
+    except ImportError:  # pragma: no cover - SQLite-only installs
+        pass
+    return tuple(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,51 @@ from aisched_prefect.evidence import (
     verify_checkpoints,
     verify_signatures,
 )
+from aisched_prefect.errors import InvalidLedgerInput
 from aisched_prefect.ledger.schema import chain_head, checkpoints, evidence
+
+ID_LENGTHS = {"flow_run_id": 64, "task_run_id": 64, "principal": 200}
+KIND_LENGTH = 32
+
+
+def check_ids(kind: str, ids: dict[str, Any]) -> None:
+    """A record's kind and ids fit their columns on every backend (Postgres refuses what SQLite would keep)."""
+    if not isinstance(kind, str) or not 0 < len(kind) <= KIND_LENGTH or "\x00" in kind:
+        raise InvalidLedgerInput("kind", kind, f"a record kind is 1 to {KIND_LENGTH} characters, no NUL byte",
+                                 "name the record's kind, e.g. 'admission'")
+    for name, longest in ID_LENGTHS.items():
+        value = ids.get(name)
+        if value is not None and (not isinstance(value, str) or len(value) > longest or "\x00" in value):
+            raise InvalidLedgerInput(name, value, f"an id is a string of at most {longest} characters, no NUL byte",
+                                     f"pass the {name.replace('_', ' ')} as Prefect or the credential names it")
+
+
+def payload_json(kind: str, payload: dict[str, Any]) -> str:
+    """The payload as the JSON text stored: plain JSON only, the same on SQLite and Postgres.
+
+    NaN and infinities are not JSON (SQLite would keep them, Postgres refuses them): refused here, naming the key.
+    """
+    try:
+        return json.dumps(payload, allow_nan=False)
+    except ValueError:
+        raise InvalidLedgerInput(f"payload of {kind!r}", _nonfinite(payload),
+                                 "evidence is stored as JSON: every number must be finite, not NaN or infinite",
+                                 "pass finite numbers (or None) in the record's payload") from None
+    except TypeError as exc:
+        raise InvalidLedgerInput(f"payload of {kind!r}", type(payload).__name__, f"evidence is stored as JSON ({exc})",
+                                 "pass only JSON values (str, numbers, bools, None, lists, dicts)") from None
+
+
+def _nonfinite(value: Any, path: str = "payload") -> str:
+    """Where the first NaN or infinite number is, e.g. 'payload.usage.cost=nan'."""
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return f"{path}={value}"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        found = _nonfinite(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]")
+        if found:
+            return found
+    return ""
 
 
 def next_record(head: tuple[int, str], ts: float, kind: str, payload: dict[str, Any], ids: dict[str, Any],

@@ -56,9 +56,12 @@ class Line(NamedTuple):
 
 
 def _name(what: str, value: object, longest: int) -> str:
+    fix = "name the account (its budget name at most 200 characters, its period at most 32)"
     if not isinstance(value, str) or not value or len(value) > longest:
-        raise InvalidLedgerInput(what, value, f"must be a name of 1 to {longest} characters",
-                                 f"name the account (its budget name at most 200 characters, its period at most 32)")
+        raise InvalidLedgerInput(what, value, f"must be a name of 1 to {longest} characters", fix)
+    if not value.isprintable():  # a NUL byte: Postgres cannot store it and SQLite would; control characters: unreadable
+        raise InvalidLedgerInput(what, value, "a name has no NUL byte or other control character",
+                                 "use letters, digits and punctuation in budget names")
     return value
 
 
