@@ -20,6 +20,10 @@ Policies:
 - `Fifo`: one queue for the cluster, strictly in submit order.
 - `EasyBackfill`: FIFO with EASY backfill (the head gets a reservation; later
   jobs may start now if they cannot delay it).
+- `SjfEasy`, `Las2D`, `MaxMinFair`: baselines for the simulator with EASY's
+  reservation and backfill: smallest estimated work first; Tiresias' 2D-LAS
+  (least attained GPU-time, discretised queues, no duration needed); max-min
+  fair share between tenants (Gavel/DRF-like).
 - `FinishTimeFair`: ours (see its docstring), the live queue's default: shortest
   first, with jobs about to finish much later than they would alone on their
   tenant's share served first; no GPU held idle beyond EASY's reservations.
@@ -566,6 +570,122 @@ def reclaim(queues: dict[str, list[tuple[tuple[int, float], int, Job]]], quota: 
                 alloc[r.job.tenant] -= r.job.gpus
             alloc[tenant] = used + head.gpus
     return out
+
+
+class SjfEasy(EasyBackfill):
+    """Shortest job first with EASY backfill (a baseline): smallest estimated work (GPUs x estimate) first, ties in
+    submit order; the first that does not fit reserves, later ones backfill around it. It plans with the same
+    estimates as every other policy, so with users' estimates it is only as good as they are."""
+
+    name = "sjf-easy"
+
+    def submit(self, job: Job, state: ClusterState) -> None:
+        bisect.insort(self.queue, job, key=self._key)
+
+    @staticmethod
+    def _key(job: Job) -> tuple[int, float, float, int]:
+        return (-job.priority, job.gpus * job.estimate, job.submit, job.id)
+
+    def remove(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            i = bisect.bisect_left(self.queue, self._key(job), key=self._key)
+            assert self.queue[i] is job
+            del self.queue[i]
+
+
+class _PerTenant(EasyBackfill):
+    """A baseline that serves tenants' queues (each in submit order) in an order of tenants it computes each pass,
+    with EASY's reservation and backfill. Subclasses give `rank(now, state)` and may `charge` per pick."""
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        super().__init__()
+        self.weights = weights or {}
+        self.queues: dict[str, list[Job]] = {}  # per tenant: priority first, then submit order
+        self.count = 0
+
+    @staticmethod
+    def _key(job: Job) -> tuple[int, float, int]:
+        return (-job.priority, job.submit, job.id)
+
+    def submit(self, job: Job, state: ClusterState) -> None:
+        bisect.insort(self.queues.setdefault(job.tenant, []), job, key=self._key)  # at the end but for a requeue
+        self.count += 1
+
+    def remove(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            q = self.queues[job.tenant]
+            i = bisect.bisect_left(q, self._key(job), key=self._key)
+            assert q[i] is job
+            del q[i]
+        self.count -= len(jobs)
+
+    def waiting(self) -> int:
+        return self.count
+
+    def rank(self, now: float, state: ClusterState) -> dict[str, float]:
+        raise NotImplementedError
+
+    def charge(self, rank: dict[str, float], job: Job) -> None:
+        """A pick of `job` changes its tenant's rank in this pass (nothing by default)."""
+
+    def order(self, now: float, state: ClusterState | None = None) -> Iterator[Job]:
+        assert state is not None
+        live = {t: q for t, q in self.queues.items() if q}
+        rank = self.rank(now, state)
+        heap = [(-q[0].priority, rank.get(t, 0.0), q[0].submit, q[0].id, t, 0) for t, q in live.items()]
+        heapq.heapify(heap)
+        while heap:
+            *_, t, i = heapq.heappop(heap)
+            job = live[t][i]
+            self.charge(rank, job)
+            if i + 1 < len(live[t]):
+                nxt = live[t][i + 1]
+                heapq.heappush(heap, (-nxt.priority, rank.get(t, 0.0), nxt.submit, nxt.id, t, i + 1))
+            yield job
+
+
+class Las2D(_PerTenant):
+    """Tiresias-style 2D-LAS (a baseline), needing no duration: discretised priority queues on attained service in
+    GPU-seconds (GPUs x time run). Queue k holds tenants that have received between `thresholds[k-1]` and
+    `thresholds[k]` GPU-hours; lower queues first, each in submit order (Tiresias' 2D-LAS with its discretisation
+    and FIFO within a queue). The trace's jobs are not preemptible, so a job's own attained service is 0 while it
+    waits; the service counted is its tenant's (each pass from what runs and ran), which makes the rule a
+    fairness one across tenants. EASY's head reservation keeps wide jobs from starving.
+    """
+
+    name = "las-2d"
+
+    def __init__(self, weights: dict[str, float] | None = None,
+                 thresholds: tuple[float, ...] = (1.0, 10.0, 100.0, 1000.0)) -> None:
+        super().__init__(weights)
+        self.thresholds = [t * 3600.0 for t in thresholds]
+        self.attained: dict[str, float] = {}
+        self.at: float | None = None
+
+    def rank(self, now: float, state: ClusterState) -> dict[str, float]:
+        dt = 0.0 if self.at is None else max(now - self.at, 0.0)
+        self.at = now
+        for r in state.running:
+            self.attained[r.job.tenant] = self.attained.get(r.job.tenant, 0.0) + r.job.gpus * dt
+        return {t: float(bisect.bisect_right(self.thresholds, self.attained.get(t, 0.0) / self.weights.get(t, 1.0)))
+                for t in self.queues}
+
+
+class MaxMinFair(_PerTenant):
+    """Max-min fair share (a baseline; Gavel's max-min fairness / DRF with one resource): each pick goes to the
+    tenant with the fewest GPUs per unit of weight (running, plus what this pass already picked), its oldest job
+    first; EASY's reservation for the first that does not fit, backfill around it."""
+
+    name = "max-min"
+
+    def rank(self, now: float, state: ClusterState) -> dict[str, float]:
+        alloc: dict[str, float] = {}
+        for r in state.running:
+            alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
+        return {t: alloc.get(t, 0.0) / self.weights.get(t, 1.0) for t in self.queues}
+
+    def charge(self, rank: dict[str, float], job: Job) -> None:
+        rank[job.tenant] = rank.get(job.tenant, 0.0) + job.gpus / self.weights.get(job.tenant, 1.0)
 
 
 class FairShare(EasyBackfill):
