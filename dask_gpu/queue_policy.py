@@ -661,14 +661,22 @@ class Las2D(_PerTenant):
         self.thresholds = [t * 3600.0 for t in thresholds]
         self.attained: dict[str, float] = {}
         self.at: float | None = None
+        self.alloc: dict[str, int] = {}  # GPUs each tenant held after the last pass (held until this one)
 
     def rank(self, now: float, state: ClusterState) -> dict[str, float]:
         dt = 0.0 if self.at is None else max(now - self.at, 0.0)
         self.at = now
-        for r in state.running:
-            self.attained[r.job.tenant] = self.attained.get(r.job.tenant, 0.0) + r.job.gpus * dt
+        for t, g in self.alloc.items():  # a run that ended since ran until this pass (an end triggers one)
+            self.attained[t] = self.attained.get(t, 0.0) + g * dt
         return {t: float(bisect.bisect_right(self.thresholds, self.attained.get(t, 0.0) / self.weights.get(t, 1.0)))
                 for t in self.queues}
+
+    def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        starts = super().schedule(now, state)
+        self.alloc = {}
+        for r in [*state.running, *starts]:
+            self.alloc[r.job.tenant] = self.alloc.get(r.job.tenant, 0) + r.job.gpus
+        return starts
 
 
 class MaxMinFair(_PerTenant):
