@@ -230,9 +230,10 @@ class Policy:
         that found room on a shared device): by default, as `remove`."""
         self.remove(jobs)
 
-    def finish(self, jobs: list[Job]) -> None:
-        """Started jobs that ended and will not be submitted again under their id: a policy forgets what it kept
-        of them (a long-lived scheduler must not grow with every run). Nothing by default."""
+    def finish(self, jobs: list[Job], now: float | None = None) -> None:
+        """Started jobs that ended (at `now`, when the caller knows) and will not be submitted again under their id:
+        a policy forgets what it kept of them (a long-lived scheduler must not grow with every run), and may learn
+        how long they really ran. Nothing by default."""
 
     def waiting(self) -> int:
         raise NotImplementedError
@@ -967,7 +968,8 @@ class FinishTimeFair(EasyBackfill):
 
     def __init__(self, weights: dict[str, float] | None = None, behind: float = 0.7, overdue: float = 1.5,
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
-                 align: bool = True, owed: bool = False, half_life: float | None = None) -> None:
+                 align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
+                 sharpness: float = 0.0, urgent: float = math.inf) -> None:
         super().__init__()
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be positive seconds or None (never fade), not {half_life!r}")
@@ -995,6 +997,9 @@ class FinishTimeFair(EasyBackfill):
         self.waiting_work = 0.0
         self.last_any = -math.inf
         self.claims: dict[int, Job] = {}  # waiting jobs that runs were preempted for: served first
+        self.learn, self.sharpness, self.urgent = learn, sharpness, urgent
+        self.runs: dict[int, float] = {}  # running job id -> its start (to learn its real run time at `finish`)
+        self.last_pool: dict[str, float] = {}  # tenant -> its private pool's GPUs at its latest submit
 
     # -- the queue ----------------------------------------------------------------------
     def pool(self, tenant: str, now: float, capacity: int) -> float:
@@ -1032,6 +1037,7 @@ class FinishTimeFair(EasyBackfill):
         if job.id not in self.alone:
             self.widest[t] = max(self.widest.get(t, 0), job.gpus)
             gpus = max(self.pool(t, now, state.capacity), self.widest[t])
+            self.last_pool[t] = gpus
             begin = max(now, self.backlog.get(t, now))
             self.backlog[t] = begin + job.gpus * job.estimate / gpus
             self.alone[job.id] = begin - now + job.estimate
@@ -1083,11 +1089,25 @@ class FinishTimeFair(EasyBackfill):
                 self.alone_sum[job.tenant] -= alone * w
         self.remove(jobs)
 
-    def finish(self, jobs: list[Job]) -> None:
-        """A preemptible job kept its alone time and its start's share of `done` in case it came back: no more."""
+    def finish(self, jobs: list[Job], now: float | None = None) -> None:
+        """A preemptible job kept its alone time and its start's share of `done` in case it came back: no more.
+        With `now` (when it ended), what it added to its tenant's completion and alone sums on its estimate is
+        corrected to what it really ran, and its tenant's private-pool backlog gives back the time it did not use:
+        users ask for more than they need, and rho should not say a tenant is served better than it is."""
         for job in jobs:
             self.alone.pop(job.id, None)
             self.done_by.pop(job.id, None)
+            start = self.runs.pop(job.id, None)
+            if start is None or now is None or not self.learn:
+                continue
+            delta = min(max(now - start, 0.0), job.estimate) - job.estimate  # <= 0: the part it did not use
+            if delta:
+                t = job.tenant
+                self.done[t] = self.done.get(t, 0.0) + delta * self._weight(start)
+                self.alone_sum[t] = self.alone_sum.get(t, 0.0) + delta * self._weight(job.submit)
+                if self.backlog.get(t, now) > now:
+                    gpus = max(self.widest.get(t, 1), 1)
+                    self.backlog[t] = max(now, self.backlog[t] + job.gpus * delta / max(gpus, self.last_pool.get(t, gpus)))
 
     def waiting(self) -> int:
         return self.count
@@ -1159,9 +1179,19 @@ class FinishTimeFair(EasyBackfill):
                     self.owed_now.add(jid)
                     yield job
 
-        def entry(t: str, i: int) -> tuple:
-            (neg_priority, work), jid, _ = live[t][i]
-            return (neg_priority, 0, rank[t], work, jid, t, i) if t in rank else (neg_priority, 1, 0.0, work, jid, t, i)
+        if self.sharpness:  # behind tenants' work counts less: their small jobs go first, not all their jobs
+            scale = {t: (self.behind / -r) ** self.sharpness for t, r in rank.items()}
+
+            def entry(t: str, i: int) -> tuple:
+                (neg_priority, work), jid, _ = live[t][i]
+                r = -rank.get(t, 0.0)
+                if r > self.urgent:  # past the target: all its jobs first, the furthest behind first
+                    return (neg_priority, 0, -r, work, jid, t, i)
+                return (neg_priority, 1, work * scale.get(t, 1.0), 0.0, jid, t, i)
+        else:
+            def entry(t: str, i: int) -> tuple:
+                (neg_priority, work), jid, _ = live[t][i]
+                return (neg_priority, 0, rank[t], work, jid, t, i) if t in rank else (neg_priority, 1, 0.0, work, jid, t, i)
 
         heap = [entry(t, 0) for t in live]
         heapq.heapify(heap)
@@ -1228,6 +1258,7 @@ class FinishTimeFair(EasyBackfill):
             took = now - s.job.submit + s.job.estimate
             w = self._weight(now)  # first: a rebase rescales the sums it reads
             self.done[s.job.tenant] = self.done.get(s.job.tenant, 0.0) + took * w
+            self.runs[s.job.id] = now
             if s.job.preemptible:
                 self.done_by[s.job.id] = (took, now)
         self.remove([s.job for s in starts])

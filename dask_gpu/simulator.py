@@ -188,7 +188,7 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
                 stopped.discard(id(run))
                 continue
             state.release(run)
-            policy.finish([run.job])
+            policy.finish([run.job], now)
             running_gpus[run.job.tenant] -= run.job.gpus
             ended[run.job.id] = now
         else:

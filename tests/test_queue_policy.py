@@ -358,3 +358,26 @@ def test_max_min_fair_share_gives_each_tenant_its_half():
     assert sorted(out.started[10 + i] for i in range(4)) == [100.0, 100.0, 200.0, 200.0]
     running_at_150 = next(r for t, r, _ in reversed(out.timeline) if t <= 150.0)
     assert running_at_150 == {"a": 2, "b": 2}
+
+
+def test_ours_learns_a_runs_real_time_when_it_ends():
+    # Users ask for more than they need: a run asked 1000 s, waited 50 s, ran 100 s. Its tenant's rho so far is
+    # corrected from (50 + 1000) / 1000 on the estimate to (50 + 100) / 100 on what it really ran, and its private
+    # pool's backlog gives back the time the run did not use.
+    from dask_gpu.queue_policy import FinishTimeFair
+
+    for learn, rho in ((True, 1.5), (False, 1.05)):
+        policy = FinishTimeFair(learn=learn)
+        state = ClusterState(free=[4])
+        policy.submit(job(0, 1, duration=1000.0), state)
+        (start,) = policy.schedule(50.0, state)
+        assert policy.rho("a", 50.0) == pytest.approx(1.05)
+        policy.finish([start.job], 150.0)
+        assert policy.rho("a", 150.0) == pytest.approx(rho)
+        assert policy.runs == {} and policy.alone == {}
+    assert policy.backlog["a"] == 250.0 and FinishTimeFair().backlog == {}
+    policy = FinishTimeFair()
+    policy.submit(job(0, 1, duration=1000.0), state := ClusterState(free=[4]))
+    (start,) = policy.schedule(0.0, state)
+    policy.finish([start.job], 100.0)
+    assert policy.backlog["a"] == 100.0  # 250 on the estimate; the pool was free again when the run ended
