@@ -925,11 +925,15 @@ class FinishTimeFair(EasyBackfill):
     before the job, / the pool's GPUs, is done). A tenant's rho now is the
     sum of its jobs' completion times so far (started: start - submit +
     estimate; waiting: now - submit + estimate) over the sum of their alone
-    times. A tenant whose rho is above `behind` is *behind*.
+    times. A tenant whose rho is above `behind` is *behind*. With `learn`, a
+    run's terms are corrected to its real run time when it ends (`finish`).
 
-    1. Order: priority first; then the jobs of tenants behind, the tenant
-       furthest behind first; then everyone else's, smallest work (GPUs x
-       estimate) first, whoever sends them. End of the queue: once nothing
+    1. Order: priority first; then smallest work (GPUs x estimate) first,
+       whoever sends it, where a behind tenant's work counts (behind / its
+       rho) ** `sharpness` of itself: its small jobs jump ahead, its big ones
+       do not pass everyone's small ones (fairness over work, not over jobs).
+       `sharpness` 0: the tenants behind first, furthest behind first, each
+       shortest first; then everyone else's (the previous order). End of the queue: once nothing
        was submitted for `tail_quiet` seconds, a waiting job at least `tail`
        x (known work left / capacity) long goes first, longest first (LPT),
        so the longest runs do not start last.
@@ -969,7 +973,7 @@ class FinishTimeFair(EasyBackfill):
     def __init__(self, weights: dict[str, float] | None = None, behind: float = 0.7, overdue: float = 1.5,
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
                  align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
-                 sharpness: float = 0.0, urgent: float = math.inf) -> None:
+                 sharpness: float = 4.0) -> None:
         super().__init__()
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be positive seconds or None (never fade), not {half_life!r}")
@@ -997,7 +1001,7 @@ class FinishTimeFair(EasyBackfill):
         self.waiting_work = 0.0
         self.last_any = -math.inf
         self.claims: dict[int, Job] = {}  # waiting jobs that runs were preempted for: served first
-        self.learn, self.sharpness, self.urgent = learn, sharpness, urgent
+        self.learn, self.sharpness = learn, sharpness
         self.runs: dict[int, float] = {}  # running job id -> its start (to learn its real run time at `finish`)
         self.last_pool: dict[str, float] = {}  # tenant -> its private pool's GPUs at its latest submit
 
@@ -1184,10 +1188,7 @@ class FinishTimeFair(EasyBackfill):
 
             def entry(t: str, i: int) -> tuple:
                 (neg_priority, work), jid, _ = live[t][i]
-                r = -rank.get(t, 0.0)
-                if r > self.urgent:  # past the target: all its jobs first, the furthest behind first
-                    return (neg_priority, 0, -r, work, jid, t, i)
-                return (neg_priority, 1, work * scale.get(t, 1.0), 0.0, jid, t, i)
+                return (neg_priority, 0, work * scale.get(t, 1.0), 0.0, jid, t, i)
         else:
             def entry(t: str, i: int) -> tuple:
                 (neg_priority, work), jid, _ = live[t][i]

@@ -155,3 +155,14 @@ def test_the_examples_in_the_docstrings_hold():
 
     for module in (bench.trace, dask_gpu.queue_policy, dask_gpu.sim_metrics, dask_gpu.simulator):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_a_light_tenants_big_job_does_not_pass_everyones_small_ones():
+    # As above, and b also sends a 4-GPU 1000 s run. b is behind: its small run still goes first, but its big
+    # one waits for a's 100 s runs (fairness over work): a's last runs start at 300 s, not after b's 1000 s.
+    heavy = [job(i, 1, duration=100.0, tenant="a") for i in range(12)]
+    light = [job(99, 1, submit=5.0, duration=100.0, tenant="b"), job(98, 4, submit=5.0, duration=1000.0, tenant="b")]
+    s = run(FinishTimeFair(tail=0), [*heavy, *light]).started
+    assert s[99] == 100.0 and s[98] == 400.0 and max(s[i] for i in range(12)) == 300.0
+    s = run(FinishTimeFair(tail=0, sharpness=0), [*heavy, *light]).started  # the tiers: all of b's jobs first
+    assert s[98] == 200.0 and max(s[i] for i in range(12)) == 1300.0
