@@ -1109,9 +1109,8 @@ class FinishTimeFair(EasyBackfill):
                 t = job.tenant
                 self.done[t] = self.done.get(t, 0.0) + delta * self._weight(start)
                 self.alone_sum[t] = self.alone_sum.get(t, 0.0) + delta * self._weight(job.submit)
-                if self.backlog.get(t, now) > now:
-                    gpus = max(self.widest.get(t, 1), 1)
-                    self.backlog[t] = max(now, self.backlog[t] + job.gpus * delta / max(gpus, self.last_pool.get(t, gpus)))
+                if self.backlog.get(t, now) > now:  # on the pool's size at its latest submit
+                    self.backlog[t] = max(now, self.backlog[t] + job.gpus * delta / max(self.last_pool.get(t, 1.0), 1.0))
 
     def waiting(self) -> int:
         return self.count
