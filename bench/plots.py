@@ -7,6 +7,9 @@ from pathlib import Path
 
 from dask_gpu.simulator import Outcome
 
+ESTIMATE_WORDS = {"user": "user (rounded up to modal limits, 20 % asked far too long)",
+                  "oracle": "oracle (the real run times: a bound)", "none": "none (every job says the time limit)"}
+
 
 def draw(outcomes: list[Outcome], path: Path, slice_name: str, facts: dict, command: str) -> None:
     try:
@@ -57,13 +60,14 @@ def draw(outcomes: list[Outcome], path: Path, slice_name: str, facts: dict, comm
     bars.axhline(1.0, color="black", linewidth=0.8)
     bars.set_xticks([i + 0.4 - width / 2 for i in range(len(tenants))], [t[:6] for t in tenants], fontsize=8)
     bars.set_yscale("log")
-    bars.set_ylabel("rho (log): JCT sum shared / alone")
+    bars.set_ylabel("rho (log, Themis): JCT sum shared / alone")
     bars.set_title("finish-time fairness per tenant (label colours = tenant colours above)", fontsize=10)
     bars.legend(fontsize=8, ncol=2)
     for label, t in zip(bars.get_xticklabels(), tenants):
         label.set_color(colors[t])
     fig.suptitle(f"Philly trace {slice_name}: {facts['jobs']} jobs ({facts['gangs']} gangs), {facts['tenants']} "
-                 f"tenants, offered load {facts['offered_load']:.2f}, {outcomes[0].capacity} GPUs\n{command}", fontsize=11)
+                 f"tenants, offered load {facts['offered_load']:.2f}, {outcomes[0].capacity} GPUs, estimates: "
+                 f"{ESTIMATE_WORDS.get(facts.get('estimates', 'oracle'), facts.get('estimates'))}\n{command}", fontsize=11)
     fig.savefig(path, dpi=72, bbox_inches="tight")
     plt.close(fig)
     print(f"wrote {path}")

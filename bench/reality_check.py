@@ -4,13 +4,14 @@ A slice of the Philly trace is scaled down to seconds (sleep tasks) and run
 for real through a control plane (`aisched serve --declared ...`, its own
 process, with a local GPU cluster of declared devices) and the cluster's one
 queue with its default policy (FinishTimeFair), one flow run per tenant, each
-task submitted at its (scaled) submit time and declaring its (scaled) run time
-as est_seconds; jobs wider than a host run as gangs across whole workers (the
+task submitted at its (scaled) submit time and declaring its (scaled) estimate
+as est_seconds (`--estimates`: a user's rounded-up limit by default, as
+`bench/simulate.py`; `oracle`: its real run time), sleeping its real run time; jobs wider than a host run as gangs across whole workers (the
 slice must hold at least one, across two workers). The same jobs go through
 the simulator (`dask_gpu.simulator`) with the same policy, estimates and
 cluster shape. Prints makespan and mean JCT of both, and real / simulated.
 
-    .venv/bin/python bench/reality_check.py --jobs 30 --scale 600
+    .venv/bin/python bench/reality_check.py --jobs 30 --scale 600 [--estimates user|oracle|none]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from bench.trace import TRACE, load  # noqa: E402
 from dask_gpu.queue_policy import FinishTimeFair, Job, is_gang  # noqa: E402
-from dask_gpu.simulator import simulate  # noqa: E402
+from dask_gpu.simulator import ESTIMATES, simulate, with_estimates  # noqa: E402
 
 MIN_SECONDS = 0.2  # the shortest sleep a job gets
 
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=600.0, help="trace seconds per real second")
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--gpus", type=int, default=2, help="GPUs per host")
+    p.add_argument("--estimates", choices=ESTIMATES, default="user", help="what each task declares as est_seconds")
     p.add_argument("--lead", type=float, default=15.0, help="seconds for every flow run to start before the first submit")
     args = p.parse_args()
 
@@ -59,9 +61,10 @@ def main() -> None:
         sys.exit(f"the first {args.jobs} jobs of the slice hold no job wider than a host: choose another --start")
     t0 = picked[0].submit
     real_durations = {j.id: max(durations[j.id] / args.scale, MIN_SECONDS) for j in picked}
-    # The queue sees each task's declared est_seconds (its scaled run time); the simulated policy sees the same.
+    # The queue sees each task's declared est_seconds (its scaled estimate); the simulated policy sees the same.
+    asked = {j.id: j.estimate for j in with_estimates(picked, durations, args.estimates, limit=21600)}
     jobs = [Job(id=j.id, tenant=j.tenant, gpus=j.gpus, submit=(j.submit - t0) / args.scale,
-                estimate=real_durations[j.id]) for j in picked]
+                estimate=max(asked[j.id] / args.scale, real_durations[j.id])) for j in picked]
     sim = simulate(jobs, real_durations, FinishTimeFair(), args.hosts, args.gpus)
 
     from prefect import flow
@@ -123,7 +126,7 @@ def main() -> None:
     real_jct = sum(ends[j.id] - j.submit for j in jobs) / len(jobs)
     print(f"{len(jobs)} jobs ({len(gangs)} gangs over two workers), {len(by_tenant)} tenants, {args.hosts} hosts x "
           f"{args.gpus} GPUs, slice from {args.start}, 1 s = {args.scale:g} trace s, policy {sim.policy} "
-          f"(FinishTimeFair) live and simulated")
+          f"(FinishTimeFair) live and simulated, estimates {args.estimates}")
     print(f"{'':12} {'makespan':>10} {'mean JCT':>10}")
     print(f"{'simulated':12} {sim.makespan:>9.2f}s {sim.mean_jct:>9.2f}s")
     print(f"{'real':12} {real_makespan:>9.2f}s {real_jct:>9.2f}s")
@@ -132,7 +135,7 @@ def main() -> None:
     print(f"start real - simulated per job: median {lag[len(lag) // 2]:.2f}s, min {lag[0]:.2f}s, max {lag[-1]:.2f}s")
     for g in (j for j in jobs if is_gang(j, size)):
         workers = placed.get(f"job-{g.id}", {}).get("workers") or []
-        print(f"gang job {g.id} ({g.gpus} GPUs, {g.estimate:.1f}s) on {len(workers)} workers ({', '.join(workers)}): "
+        print(f"gang job {g.id} ({g.gpus} GPUs, {real_durations[g.id]:.1f}s) on {len(workers)} workers ({', '.join(workers)}): "
               f"started at {starts[g.id]:.2f}s real, {sim.started[g.id]:.2f}s simulated")
 
 

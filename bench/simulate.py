@@ -1,14 +1,20 @@
-"""Replay a slice of the Philly GPU trace through plain Dask (modelled), FIFO, EASY backfill and our policy.
+"""Replay a slice of the Philly GPU trace through plain Dask (modelled), FIFO, EASY, three baselines and ours.
 
     .venv/bin/python bench/simulate.py --start 2017-10-22 --end 2017-10-23 --hosts 8 --gpus 8 \
-        --max-duration 21600 --long clip --tenants 10
+        --max-duration 21600 --long clip --tenants 10 [--estimates user|oracle|none]
 
+What the policies are told about each job's length is `--estimates` (`dask_gpu.simulator.with_estimates`):
+`user` (the default: rounded up to users' modal limits, a fraction asked far too long), `oracle` (the real
+duration: a bound) or `none` (every job says the cluster's time limit). Jobs still run their real time.
 Prints one row per policy: makespan, makespan / LB+, mean and p95 job
 completion time (JCT), mean wait, GPU utilisation, finish-time fairness (max
 rho over tenants: a tenant's summed JCT here / alone under EASY on its private
-pool of max(floor(H*G/N), its widest job) GPUs), min s_active (GPUs received
+pool of max(floor(H*G/N), its widest job) GPUs, N = the tenants it contended
+with on average while it had work, as Themis; `rho N=all`: N = every tenant
+of the slice, the older, more lenient figure), min s_active (GPUs received
 as a capped share of the max-min fair share over each tenant's active period),
-Jain (information only) and the policy's p99 decision time (process CPU).
+Jain (information only) and the policy's p99 decision time (process CPU);
+then ours against the best of the baselines on each figure.
 Jobs wider than one host run as gangs on whole hosts.
 """
 
@@ -24,8 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.trace import TRACE, BadTime, load, offered_load  # noqa: E402
-from dask_gpu.queue_policy import EasyBackfill, FinishTimeFair, Fifo, PlainDask, Policy  # noqa: E402
-from dask_gpu.simulator import Outcome, alone, simulate  # noqa: E402
+from dask_gpu.queue_policy import (EasyBackfill, FinishTimeFair, Fifo, Las2D, MaxMinFair, PlainDask, Policy,  # noqa: E402
+                                   SjfEasy)
+from dask_gpu.simulator import ESTIMATES, Outcome, simulate, with_estimates  # noqa: E402
+
+BASELINES = ("easy-backfill", "sjf-easy", "las-2d", "max-min")  # what "best baseline" is taken over
 
 
 def _hours(seconds: float) -> str:
@@ -34,21 +43,38 @@ def _hours(seconds: float) -> str:
 
 def run_slice(trace: Path, start: str, end: str, hosts: int, gpus: int, max_duration: float | None, long: str,
               tenants: int | None, preemptible: str = "none", ours: Policy | None = None,
-              baselines: bool = True) -> tuple[list[Outcome], dict]:
-    """Every policy's outcome on one slice (rho filled in) and the slice's facts (jobs, tenants, load, dropped)."""
+              baselines: bool = True, estimates: str = "user", models: bool = True) -> tuple[list[Outcome], dict]:
+    """Every policy's outcome on one slice (rho filled in) and the slice's facts (jobs, tenants, load, dropped).
+
+    `baselines`: also EASY, SJF+EASY, 2D-LAS and max-min (else EASY and ours only); `models`: also the models of
+    plain Dask and FIFO."""
     jobs, durations, dropped = load(trace, start, end, hosts, gpus, max_duration, long, tenants)
     if not jobs:
         raise SystemExit("no jobs in that slice: widen --start/--end")
+    jobs = with_estimates(jobs, durations, estimates, limit=max_duration)
     if preemptible != "none":
         jobs = [dataclasses.replace(j, preemptible=True) for j in jobs]
-    pools = alone(jobs, durations, hosts, gpus)
-    policies = [PlainDask(hosts), Fifo(), EasyBackfill()] if baselines else []
+    policies: list[Policy] = [PlainDask(hosts), Fifo()] if baselines and models else []
+    policies += [EasyBackfill(), SjfEasy(), Las2D(), MaxMinFair()] if baselines else [EasyBackfill()]
     policies.append(ours or FinishTimeFair())
-    outcomes = [simulate(jobs, durations, p, hosts, gpus, resume_preempted=preemptible == "resume").with_alone(pools)
-                for p in policies]
+    cache: dict = {}
+    outcomes = [simulate(jobs, durations, p, hosts, gpus, resume_preempted=preemptible == "resume")
+                .with_fairness(jobs, durations, hosts, gpus, cache) for p in policies]
     facts = {"jobs": len(jobs), "tenants": len({j.tenant for j in jobs}), "gangs": sum(j.gpus > gpus for j in jobs),
-             "offered_load": offered_load(jobs, durations, hosts * gpus, end), "dropped": dropped}
+             "offered_load": offered_load(jobs, durations, hosts * gpus, end), "dropped": dropped,
+             "estimates": estimates}
     return outcomes, facts
+
+
+def best_baseline(outcomes: list[Outcome]) -> dict[str, tuple[str, float]]:
+    """Per figure (makespan, mean JCT, p95 JCT, max rho), the best baseline's name and value (lower is better)."""
+    base = [o for o in outcomes if o.policy in BASELINES]
+    out = {}
+    for figure, value in (("makespan", lambda o: o.makespan), ("mean_jct", lambda o: o.mean_jct),
+                          ("p95_jct", lambda o: o.p95_jct), ("max_rho", lambda o: o.max_rho)):
+        best = min(base, key=value)
+        out[figure] = (best.policy, value(best))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="what-if: mark every job preemptible (the trace's jobs are not), so our policy may stop "
                         "borrowed runs to give a tenant its quota back; stopped runs restart from the beginning "
                         "(restart) or go on from where they stopped (resume: tasks that checkpoint)")
+    p.add_argument("--estimates", choices=ESTIMATES, default="user",
+                   help="what the policies are told of each job's length: users' rounded-up limits (user), the real "
+                        "duration (oracle: a bound), nothing (none: every job says the --max-duration limit)")
     p.add_argument("--json", action="store_true", help="one JSON object per policy instead of the table")
     p.add_argument("--plot", type=Path, default=None, help="write the pictures (PNG): per-tenant running and "
                    "waiting GPUs per policy, JCT CDF, rho per tenant")
@@ -73,23 +102,28 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"no trace at {args.trace}: pass --trace PATH to philly.csv")
     try:
         outcomes, facts = run_slice(args.trace, args.start, args.end, args.hosts, args.gpus, args.max_duration,
-                                    args.long, args.tenants, args.preemptible)
+                                    args.long, args.tenants, args.preemptible, estimates=args.estimates)
     except BadTime as e:
         p.error(f"--start/--end: {e}")
     if args.json:
         for o in outcomes:
             print(json.dumps({k: v for k, v in vars(o).items() if k not in ("timeline", "started", "ended", "jct")}
                              | {"makespan_ratio": o.makespan_ratio, "max_rho": o.max_rho,
-                                "min_s_active": o.min_s_active} | facts))
+                                "max_rho_slice": o.max_rho_slice, "min_s_active": o.min_s_active} | facts))
     else:
         print(f"{facts['jobs']} jobs ({facts['gangs']} gangs), {facts['tenants']} tenants, {args.hosts} hosts x "
-              f"{args.gpus} GPUs, offered load {facts['offered_load']:.2f}; left out: {facts['dropped'] or 'none'}")
+              f"{args.gpus} GPUs, offered load {facts['offered_load']:.2f}, estimates {args.estimates}; "
+              f"left out: {facts['dropped'] or 'none'}")
         print(f"{'policy':<14} {'makespan':>10} {'/LB+':>6} {'mean JCT':>10} {'p95 JCT':>10} {'mean wait':>10} "
-              f"{'util':>6} {'max rho':>8} {'min s_act':>9} {'Jain':>6} {'p99 CPU':>9}")
+              f"{'util':>6} {'max rho':>8} {'rho N=all':>9} {'min s_act':>9} {'Jain':>6} {'p99 CPU':>9}")
         for o in outcomes:
             print(f"{o.policy:<14} {_hours(o.makespan):>10} {o.makespan_ratio:>6.3f} {_hours(o.mean_jct):>10} "
                   f"{_hours(o.p95_jct):>10} {_hours(o.mean_wait):>10} {o.utilization:>6.1%} {o.max_rho:>8.3f} "
-                  f"{o.min_s_active:>9.3f} {o.jain:>6.3f} {o.decision_p99_ms:>7.2f}ms")
+                  f"{o.max_rho_slice:>9.3f} {o.min_s_active:>9.3f} {o.jain:>6.3f} {o.decision_p99_ms:>7.2f}ms")
+        ours = outcomes[-1]
+        best = best_baseline(outcomes)
+        mine = {"makespan": ours.makespan, "mean_jct": ours.mean_jct, "p95_jct": ours.p95_jct, "max_rho": ours.max_rho}
+        print("ours / best baseline: " + ", ".join(f"{k} {mine[k] / v:.3f} ({name})" for k, (name, v) in best.items()))
         tenants = sorted(outcomes[0].rho)
         print("rho per tenant: " + " ".join(f"{t[:6]:>6}" for t in tenants))
         for o in outcomes:

@@ -463,7 +463,7 @@ class GPUQueuePlugin(SchedulerPlugin):
     def _drop_running(self, jid: int, free: bool = True) -> None:
         """A run ended, was preempted or lost its worker: a run that comes back is queued under a new id."""
         run, _ = self.running.pop(jid)
-        self.policy.finish([run.job])
+        self.policy.finish([run.job], time.time())  # when it ended: the policy learns its real run time
         self._unassign(jid)
         self.specs.pop(jid, None)
         if free:

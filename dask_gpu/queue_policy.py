@@ -20,6 +20,10 @@ Policies:
 - `Fifo`: one queue for the cluster, strictly in submit order.
 - `EasyBackfill`: FIFO with EASY backfill (the head gets a reservation; later
   jobs may start now if they cannot delay it).
+- `SjfEasy`, `Las2D`, `MaxMinFair`: baselines for the simulator with EASY's
+  reservation and backfill: smallest estimated work first; Tiresias' 2D-LAS
+  (least attained GPU-time, discretised queues, no duration needed); max-min
+  fair share between tenants (Gavel/DRF-like).
 - `FinishTimeFair`: ours (see its docstring), the live queue's default: shortest
   first, with jobs about to finish much later than they would alone on their
   tenant's share served first; no GPU held idle beyond EASY's reservations.
@@ -226,9 +230,10 @@ class Policy:
         that found room on a shared device): by default, as `remove`."""
         self.remove(jobs)
 
-    def finish(self, jobs: list[Job]) -> None:
-        """Started jobs that ended and will not be submitted again under their id: a policy forgets what it kept
-        of them (a long-lived scheduler must not grow with every run). Nothing by default."""
+    def finish(self, jobs: list[Job], now: float | None = None) -> None:
+        """Started jobs that ended (at `now`, when the caller knows) and will not be submitted again under their id:
+        a policy forgets what it kept of them (a long-lived scheduler must not grow with every run), and may learn
+        how long they really ran. Nothing by default."""
 
     def waiting(self) -> int:
         raise NotImplementedError
@@ -568,6 +573,130 @@ def reclaim(queues: dict[str, list[tuple[tuple[int, float], int, Job]]], quota: 
     return out
 
 
+class SjfEasy(EasyBackfill):
+    """Shortest job first with EASY backfill (a baseline): smallest estimated work (GPUs x estimate) first, ties in
+    submit order; the first that does not fit reserves, later ones backfill around it. It plans with the same
+    estimates as every other policy, so with users' estimates it is only as good as they are."""
+
+    name = "sjf-easy"
+
+    def submit(self, job: Job, state: ClusterState) -> None:
+        bisect.insort(self.queue, job, key=self._key)
+
+    @staticmethod
+    def _key(job: Job) -> tuple[int, float, float, int]:
+        return (-job.priority, job.gpus * job.estimate, job.submit, job.id)
+
+    def remove(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            i = bisect.bisect_left(self.queue, self._key(job), key=self._key)
+            assert self.queue[i] is job
+            del self.queue[i]
+
+
+class _PerTenant(EasyBackfill):
+    """A baseline that serves tenants' queues (each in submit order) in an order of tenants it computes each pass,
+    with EASY's reservation and backfill. Subclasses give `rank(now, state)` and may `charge` per pick."""
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        super().__init__()
+        self.weights = weights or {}
+        self.queues: dict[str, list[Job]] = {}  # per tenant: priority first, then submit order
+        self.count = 0
+
+    @staticmethod
+    def _key(job: Job) -> tuple[int, float, int]:
+        return (-job.priority, job.submit, job.id)
+
+    def submit(self, job: Job, state: ClusterState) -> None:
+        bisect.insort(self.queues.setdefault(job.tenant, []), job, key=self._key)  # at the end but for a requeue
+        self.count += 1
+
+    def remove(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            q = self.queues[job.tenant]
+            i = bisect.bisect_left(q, self._key(job), key=self._key)
+            assert q[i] is job
+            del q[i]
+        self.count -= len(jobs)
+
+    def waiting(self) -> int:
+        return self.count
+
+    def rank(self, now: float, state: ClusterState) -> dict[str, float]:
+        raise NotImplementedError
+
+    def charge(self, rank: dict[str, float], job: Job) -> None:
+        """A pick of `job` changes its tenant's rank in this pass (nothing by default)."""
+
+    def order(self, now: float, state: ClusterState | None = None) -> Iterator[Job]:
+        assert state is not None
+        live = {t: q for t, q in self.queues.items() if q}
+        rank = self.rank(now, state)
+        heap = [(-q[0].priority, rank.get(t, 0.0), q[0].submit, q[0].id, t, 0) for t, q in live.items()]
+        heapq.heapify(heap)
+        while heap:
+            *_, t, i = heapq.heappop(heap)
+            job = live[t][i]
+            self.charge(rank, job)
+            if i + 1 < len(live[t]):
+                nxt = live[t][i + 1]
+                heapq.heappush(heap, (-nxt.priority, rank.get(t, 0.0), nxt.submit, nxt.id, t, i + 1))
+            yield job
+
+
+class Las2D(_PerTenant):
+    """Tiresias-style 2D-LAS (a baseline), needing no duration: discretised priority queues on attained service in
+    GPU-seconds (GPUs x time run). Queue k holds tenants that have received between `thresholds[k-1]` and
+    `thresholds[k]` GPU-hours; lower queues first, each in submit order (Tiresias' 2D-LAS with its discretisation
+    and FIFO within a queue). The trace's jobs are not preemptible, so a job's own attained service is 0 while it
+    waits; the service counted is its tenant's (each pass from what runs and ran), which makes the rule a
+    fairness one across tenants. EASY's head reservation keeps wide jobs from starving.
+    """
+
+    name = "las-2d"
+
+    def __init__(self, weights: dict[str, float] | None = None,
+                 thresholds: tuple[float, ...] = (1.0, 10.0, 100.0, 1000.0)) -> None:
+        super().__init__(weights)
+        self.thresholds = [t * 3600.0 for t in thresholds]
+        self.attained: dict[str, float] = {}
+        self.at: float | None = None
+        self.alloc: dict[str, int] = {}  # GPUs each tenant held after the last pass (held until this one)
+
+    def rank(self, now: float, state: ClusterState) -> dict[str, float]:
+        dt = 0.0 if self.at is None else max(now - self.at, 0.0)
+        self.at = now
+        for t, g in self.alloc.items():  # a run that ended since ran until this pass (an end triggers one)
+            self.attained[t] = self.attained.get(t, 0.0) + g * dt
+        return {t: float(bisect.bisect_right(self.thresholds, self.attained.get(t, 0.0) / self.weights.get(t, 1.0)))
+                for t in self.queues}
+
+    def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        starts = super().schedule(now, state)
+        self.alloc = {}
+        for r in [*state.running, *starts]:
+            self.alloc[r.job.tenant] = self.alloc.get(r.job.tenant, 0) + r.job.gpus
+        return starts
+
+
+class MaxMinFair(_PerTenant):
+    """Max-min fair share (a baseline; Gavel's max-min fairness / DRF with one resource): each pick goes to the
+    tenant with the fewest GPUs per unit of weight (running, plus what this pass already picked), its oldest job
+    first; EASY's reservation for the first that does not fit, backfill around it."""
+
+    name = "max-min"
+
+    def rank(self, now: float, state: ClusterState) -> dict[str, float]:
+        alloc: dict[str, float] = {}
+        for r in state.running:
+            alloc[r.job.tenant] = alloc.get(r.job.tenant, 0.0) + r.job.gpus
+        return {t: alloc.get(t, 0.0) / self.weights.get(t, 1.0) for t in self.queues}
+
+    def charge(self, rank: dict[str, float], job: Job) -> None:
+        rank[job.tenant] = rank.get(job.tenant, 0.0) + job.gpus / self.weights.get(job.tenant, 1.0)
+
+
 class FairShare(EasyBackfill):
     """Ours: fair share between tenants now, shortest-first within a tenant, aging, quotas, backfill.
 
@@ -796,11 +925,15 @@ class FinishTimeFair(EasyBackfill):
     before the job, / the pool's GPUs, is done). A tenant's rho now is the
     sum of its jobs' completion times so far (started: start - submit +
     estimate; waiting: now - submit + estimate) over the sum of their alone
-    times. A tenant whose rho is above `behind` is *behind*.
+    times. A tenant whose rho is above `behind` is *behind*. With `learn`, a
+    run's terms are corrected to its real run time when it ends (`finish`).
 
-    1. Order: priority first; then the jobs of tenants behind, the tenant
-       furthest behind first; then everyone else's, smallest work (GPUs x
-       estimate) first, whoever sends them. End of the queue: once nothing
+    1. Order: priority first; then smallest work (GPUs x estimate) first,
+       whoever sends it, where a behind tenant's work counts (behind / its
+       rho) ** `sharpness` of itself: its small jobs jump ahead, its big ones
+       do not pass everyone's small ones (fairness over work, not over jobs).
+       `sharpness` 0: the tenants behind first, furthest behind first, each
+       shortest first; then everyone else's (the previous order). End of the queue: once nothing
        was submitted for `tail_quiet` seconds, a waiting job at least `tail`
        x (known work left / capacity) long goes first, longest first (LPT),
        so the longest runs do not start last.
@@ -839,7 +972,8 @@ class FinishTimeFair(EasyBackfill):
 
     def __init__(self, weights: dict[str, float] | None = None, behind: float = 0.7, overdue: float = 1.5,
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
-                 align: bool = True, owed: bool = False, half_life: float | None = None) -> None:
+                 align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
+                 sharpness: float = 4.0) -> None:
         super().__init__()
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be positive seconds or None (never fade), not {half_life!r}")
@@ -867,6 +1001,9 @@ class FinishTimeFair(EasyBackfill):
         self.waiting_work = 0.0
         self.last_any = -math.inf
         self.claims: dict[int, Job] = {}  # waiting jobs that runs were preempted for: served first
+        self.learn, self.sharpness = learn, sharpness
+        self.runs: dict[int, float] = {}  # running job id -> its start (to learn its real run time at `finish`)
+        self.last_pool: dict[str, float] = {}  # tenant -> its private pool's GPUs at its latest submit
 
     # -- the queue ----------------------------------------------------------------------
     def pool(self, tenant: str, now: float, capacity: int) -> float:
@@ -904,6 +1041,7 @@ class FinishTimeFair(EasyBackfill):
         if job.id not in self.alone:
             self.widest[t] = max(self.widest.get(t, 0), job.gpus)
             gpus = max(self.pool(t, now, state.capacity), self.widest[t])
+            self.last_pool[t] = gpus
             begin = max(now, self.backlog.get(t, now))
             self.backlog[t] = begin + job.gpus * job.estimate / gpus
             self.alone[job.id] = begin - now + job.estimate
@@ -955,11 +1093,24 @@ class FinishTimeFair(EasyBackfill):
                 self.alone_sum[job.tenant] -= alone * w
         self.remove(jobs)
 
-    def finish(self, jobs: list[Job]) -> None:
-        """A preemptible job kept its alone time and its start's share of `done` in case it came back: no more."""
+    def finish(self, jobs: list[Job], now: float | None = None) -> None:
+        """A preemptible job kept its alone time and its start's share of `done` in case it came back: no more.
+        With `now` (when it ended), what it added to its tenant's completion and alone sums on its estimate is
+        corrected to what it really ran, and its tenant's private-pool backlog gives back the time it did not use:
+        users ask for more than they need, and rho should not say a tenant is served better than it is."""
         for job in jobs:
             self.alone.pop(job.id, None)
             self.done_by.pop(job.id, None)
+            start = self.runs.pop(job.id, None)
+            if start is None or now is None or not self.learn:
+                continue
+            delta = min(max(now - start, 0.0), job.estimate) - job.estimate  # <= 0: the part it did not use
+            if delta:
+                t = job.tenant
+                self.done[t] = self.done.get(t, 0.0) + delta * self._weight(start)
+                self.alone_sum[t] = self.alone_sum.get(t, 0.0) + delta * self._weight(job.submit)
+                if self.backlog.get(t, now) > now:  # on the pool's size at its latest submit
+                    self.backlog[t] = max(now, self.backlog[t] + job.gpus * delta / max(self.last_pool.get(t, 1.0), 1.0))
 
     def waiting(self) -> int:
         return self.count
@@ -1031,9 +1182,16 @@ class FinishTimeFair(EasyBackfill):
                     self.owed_now.add(jid)
                     yield job
 
-        def entry(t: str, i: int) -> tuple:
-            (neg_priority, work), jid, _ = live[t][i]
-            return (neg_priority, 0, rank[t], work, jid, t, i) if t in rank else (neg_priority, 1, 0.0, work, jid, t, i)
+        if self.sharpness:  # behind tenants' work counts less: their small jobs go first, not all their jobs
+            scale = {t: (self.behind / -r) ** self.sharpness for t, r in rank.items()}
+
+            def entry(t: str, i: int) -> tuple:
+                (neg_priority, work), jid, _ = live[t][i]
+                return (neg_priority, 0, work * scale.get(t, 1.0), 0.0, jid, t, i)
+        else:
+            def entry(t: str, i: int) -> tuple:
+                (neg_priority, work), jid, _ = live[t][i]
+                return (neg_priority, 0, rank[t], work, jid, t, i) if t in rank else (neg_priority, 1, 0.0, work, jid, t, i)
 
         heap = [entry(t, 0) for t in live]
         heapq.heapify(heap)
@@ -1100,6 +1258,7 @@ class FinishTimeFair(EasyBackfill):
             took = now - s.job.submit + s.job.estimate
             w = self._weight(now)  # first: a rebase rescales the sums it reads
             self.done[s.job.tenant] = self.done.get(s.job.tenant, 0.0) + took * w
+            self.runs[s.job.id] = now
             if s.job.preemptible:
                 self.done_by[s.job.id] = (took, now)
         self.remove([s.job for s in starts])

@@ -50,14 +50,14 @@ def lower_bound(submits: list[float], work: list[float], longest: list[float], g
     return bound
 
 
-def private_pool(hosts: int, gpus_per_host: int, tenants: int, widest: int) -> list[int]:
+def private_pool(hosts: int, gpus_per_host: int, tenants: float, widest: int) -> list[int]:
     """A tenant's private pool for finish-time fairness: max(floor(H*G/N), its widest job) GPUs, as hosts of
-    G GPUs (the last one smaller if it does not divide).
+    G GPUs (the last one smaller if it does not divide). N may be fractional (Themis' average contention).
 
-    >>> private_pool(8, 8, 10, 4), private_pool(8, 8, 10, 8), private_pool(8, 8, 10, 12)
-    ([6], [8], [8, 4])
+    >>> private_pool(8, 8, 10, 4), private_pool(8, 8, 10, 8), private_pool(8, 8, 10, 12), private_pool(8, 8, 2.5, 1)
+    ([6], [8], [8, 4], [8, 8, 8, 1])
     """
-    gpus = max(hosts * gpus_per_host // max(tenants, 1), widest)
+    gpus = max(int(hosts * gpus_per_host // max(tenants, 1)), widest)
     return [gpus_per_host] * (gpus // gpus_per_host) + ([gpus % gpus_per_host] if gpus % gpus_per_host else [])
 
 

@@ -11,7 +11,9 @@ time. Pure Python: no Prefect, no Dask.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import heapq
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +22,52 @@ from dask_gpu.queue_policy import ClusterState, Job, Policy, Running, max_min_sh
 from dask_gpu.sim_metrics import finish_time_fairness, jain, lower_bound, percentile
 
 Sample = tuple[float, dict[str, int], dict[str, int]]  # (seconds since the first submit, GPUs running, GPUs waiting) per tenant
+
+# -- what the policy is told about a job's length ------------------------------------------------------------
+ESTIMATES = ("user", "oracle", "none")
+MODES = (900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0, 3 * 86400.0)  # the time limits users ask for most
+FAR_FRACTION = 0.2  # jobs whose real run is far shorter than asked (they fail early, or ask "to be safe")
+FAR_STEPS = 2  # such a job asks for the mode this many steps above the one its run needs
+
+
+def _unit(seed: int, key: int) -> float:
+    """A deterministic draw in [0, 1) for job `key` (the same on every machine and Python)."""
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def user_estimate(duration: float, key: int, seed: int = 0) -> float:
+    """What a user asks for a job that really runs `duration` seconds (Tsafrir, Etsion and Feitelson's model,
+    simplified): the smallest of `MODES` that holds it; for a seeded `FAR_FRACTION` of jobs, the mode `FAR_STEPS`
+    above that (capped at the largest); beyond the largest mode, whole days. Never below `duration`.
+
+    >>> user_estimate(60.0, 1), user_estimate(3600.0, 1), user_estimate(3601.0, 1), user_estimate(4 * 86400.0, 1)
+    (900.0, 3600.0, 14400.0, 345600.0)
+    """
+    if duration > MODES[-1]:
+        return math.ceil(duration / 86400.0) * 86400.0
+    i = next(k for k, m in enumerate(MODES) if m >= duration)
+    if _unit(seed, key) < FAR_FRACTION:
+        i = min(i + FAR_STEPS, len(MODES) - 1)
+    return MODES[i]
+
+
+def with_estimates(jobs: list[Job], durations: Mapping[int, float], model: str = "user", seed: int = 0,
+                   limit: float | None = None) -> list[Job]:
+    """`jobs` with the estimates the policy sees under `model` (they still run for `durations`):
+
+    - `oracle`: the real duration (a bound: no scheduler knows it);
+    - `user`: `user_estimate` (rounded up to a modal limit, a fraction asked far too long);
+    - `none`: no duration at all, as Tiresias assumes: every job says the same, the cluster's time
+      limit `limit` (the largest mode when None), so an order by estimate carries nothing.
+    """
+    if model == "oracle":
+        return [dataclasses.replace(j, estimate=durations[j.id]) for j in jobs]
+    if model == "user":
+        return [dataclasses.replace(j, estimate=user_estimate(durations[j.id], j.id, seed)) for j in jobs]
+    if model == "none":
+        return [dataclasses.replace(j, estimate=limit or MODES[-1]) for j in jobs]
+    raise ValueError(f"estimates must be one of {', '.join(ESTIMATES)}, not {model!r}")
 
 
 @dataclass
@@ -45,6 +93,8 @@ class Outcome:
     jct_by_tenant: dict[str, float] = field(default_factory=dict, repr=False)  # sum of completion times
     s_active: dict[str, float] = field(default_factory=dict, repr=False)  # GPUs received / max-min share, capped at 1
     rho: dict[str, float] = field(default_factory=dict)  # finish-time fairness, once `with_alone` is given the pools
+    rho_slice: dict[str, float] = field(default_factory=dict)  # the same with N = every tenant of the slice (older)
+    contention: dict[str, float] = field(default_factory=dict)  # tenants with work, on average, while it had work
     timeline: list[Sample] = field(default_factory=list, repr=False)
 
     @property
@@ -56,12 +106,28 @@ class Outcome:
         return max(self.rho.values(), default=float("nan"))
 
     @property
+    def max_rho_slice(self) -> float:
+        return max(self.rho_slice.values(), default=float("nan"))
+
+    @property
     def min_s_active(self) -> float:
         return min(self.s_active.values(), default=float("nan"))
 
     def with_alone(self, alone: Mapping[str, float]) -> Outcome:
         """Fill `rho` from each tenant's sum of completion times alone on its private pool."""
         self.rho = finish_time_fairness(self.jct_by_tenant, alone)
+        return self
+
+    def with_fairness(self, jobs: list[Job], durations: Mapping[int, float], hosts: int, gpus_per_host: int,
+                      cache: dict | None = None) -> Outcome:
+        """Fill `rho` as Themis defines it (each tenant's private pool is the cluster / the contention it met here,
+        `contention`) and `rho_slice` (the pool is the cluster / every tenant of the slice). `cache` (shared
+        between the policies of one slice) keeps alone runs of a tenant on a pool already simulated."""
+        cache = {} if cache is None else cache
+        self.rho = finish_time_fairness(self.jct_by_tenant, alone(jobs, durations, hosts, gpus_per_host,
+                                                                  contention=self.contention, cache=cache))
+        self.rho_slice = finish_time_fairness(self.jct_by_tenant, alone(jobs, durations, hosts, gpus_per_host,
+                                                                        cache=cache))
         return self
 
 
@@ -91,6 +157,7 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
     fair: dict[str, float] = {}
     got: dict[str, float] = {}  # capped share, over the whole active period (s_active)
     active: dict[str, float] = {}
+    met: dict[str, float] = {}  # tenant -> integral of (tenants with work) over the time it had work
     held_work = 0.0
     timeline: list[Sample] = []
     decisions: list[float] = []
@@ -107,6 +174,7 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
             for tenant, share in shares.items():
                 r = running_gpus.get(tenant, 0)
                 active[tenant] = active.get(tenant, 0.0) + dt
+                met[tenant] = met.get(tenant, 0.0) + len(demands) * dt
                 got[tenant] = got.get(tenant, 0.0) + min(r / share, 1.0) * dt
                 if waiting_gpus.get(tenant, 0) > 0:
                     received[tenant] = received.get(tenant, 0.0) + r * dt
@@ -120,7 +188,7 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
                 stopped.discard(id(run))
                 continue
             state.release(run)
-            policy.finish([run.job])
+            policy.finish([run.job], now)
             running_gpus[run.job.tenant] -= run.job.gpus
             ended[run.job.id] = now
         else:
@@ -179,22 +247,34 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
         decision_p99_ms=1000 * percentile(decisions, 99), preempted=preempted, wasted_gpu_hours=wasted / 3600,
         started=started, ended=ended, jct=jct, jct_by_tenant=by_tenant,
         s_active={k: got[k] / active[k] for k in active if active[k] > 0}, timeline=timeline,
+        contention={k: met[k] / active[k] for k in active if active[k] > 0},
     )
 
 
 def alone(jobs: list[Job], durations: Mapping[int, float], hosts: int, gpus_per_host: int,
-          policy_factory: type[Policy] | None = None) -> dict[str, float]:
-    """Each tenant's sum of completion times when its jobs run alone under EASY backfill on its private
-    pool (`sim_metrics.private_pool`, N = the tenants in `jobs`): the denominator of rho."""
+          policy_factory: type[Policy] | None = None, contention: Mapping[str, float] | None = None,
+          cache: dict | None = None) -> dict[str, float]:
+    """Each tenant's sum of completion times when its jobs run alone under EASY backfill (with the estimates they
+    carry) on its private pool (`sim_metrics.private_pool`): the denominator of rho.
+
+    The pool is the cluster / N GPUs, at least the tenant's widest job: N = `contention[tenant]` (Themis: the
+    tenants it actually contended with, on average over the time it had work) or, without `contention`, every
+    tenant in `jobs`. `cache` maps (tenant, pool, policy) to the sum, so policies of one slice share runs.
+    """
     from dask_gpu.queue_policy import EasyBackfill
     from dask_gpu.sim_metrics import private_pool
 
     by_tenant: dict[str, list[Job]] = {}
     for j in jobs:
         by_tenant.setdefault(j.tenant, []).append(j)
+    factory = policy_factory or EasyBackfill
+    cache = {} if cache is None else cache
     out = {}
     for tenant, mine in by_tenant.items():
-        pool = private_pool(hosts, gpus_per_host, len(by_tenant), max(j.gpus for j in mine))
-        policy = (policy_factory or EasyBackfill)()
-        out[tenant] = simulate(mine, durations, policy, len(pool), gpus_per_host, sizes=pool).jct_by_tenant[tenant]
+        n = contention.get(tenant, 1.0) if contention is not None else len(by_tenant)
+        pool = private_pool(hosts, gpus_per_host, n, max(j.gpus for j in mine))
+        key = (tenant, tuple(pool), factory)
+        if key not in cache:
+            cache[key] = simulate(mine, durations, factory(), len(pool), gpus_per_host, sizes=pool).jct_by_tenant[tenant]
+        out[tenant] = cache[key]
     return out

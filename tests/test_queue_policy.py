@@ -12,8 +12,11 @@ from dask_gpu.queue_policy import (
     FairShare,
     Fifo,
     Job,
+    Las2D,
+    MaxMinFair,
     PlainDask,
     Running,
+    SjfEasy,
     max_min_shares,
     reservation,
 )
@@ -104,7 +107,7 @@ def test_no_policy_overcommits_a_host_on_a_random_busy_workload():
     rng = random.Random(7)
     jobs = [Job(id=i, tenant=f"t{rng.randrange(4)}", gpus=rng.choice([1, 1, 2, 4, 8]), submit=rng.uniform(0, 5000),
                 estimate=rng.uniform(10, 3000)) for i in range(400)]
-    for policy in (PlainDask(4), Fifo(), EasyBackfill(), FairShare()):
+    for policy in (PlainDask(4), Fifo(), EasyBackfill(), FairShare(), SjfEasy(), Las2D(), MaxMinFair()):
         out = simulate(jobs, {j.id: j.estimate for j in jobs}, policy, 4, 8)  # raises on any over-commit
         assert max(sum(r.values()) for _, r, _ in out.timeline) <= 32
 
@@ -322,3 +325,59 @@ def test_faded_sums_stay_right_across_a_rebase_of_their_epoch():
     assert policy.epoch == later
     assert policy.rho("b", later) == pytest.approx(1.0, abs=1e-9)
     assert all(math.isfinite(v) and v < 1e6 for v in [*policy.done.values(), *policy.alone_sum.values()])
+
+
+def test_sjf_easy_runs_the_smallest_estimated_work_first_and_backfills_around_its_head():
+    # A 4-GPU blocker; then, waiting, a 100 s job, a 10 s one and a 4-GPU 5 s one: smallest work first.
+    jobs = [job(0, 4, duration=50), job(1, 1, submit=1, duration=100), job(2, 1, submit=2, duration=10),
+            job(3, 4, submit=3, duration=5)]
+    s = starts_of(SjfEasy(), jobs)
+    assert s[2] == 50.0 and s[3] == 60.0 and s[1] == 65.0  # 10 GPU-s, 20 GPU-s, then 100 GPU-s
+    # EASY: the head (a 4-GPU job) reserves; a short job that ends before it backfills, a long one does not
+    jobs = [job(0, 3, duration=10), job(1, 4, submit=1, duration=10), job(2, 1, submit=2, duration=5),
+            job(3, 1, submit=3, duration=100)]
+    s = starts_of(SjfEasy(), jobs)
+    assert s[2] == 2.0 and s[1] == 10.0 and s[3] == 20.0
+
+
+def test_las_serves_the_tenant_with_the_least_attained_gpu_time_first():
+    # a ran 4 GPUs for 2 h (8 GPU-hours: queue 1); b has run nothing (queue 0): b's later job goes before a's.
+    jobs = [job(0, 4, duration=7200.0), job(1, 4, submit=10.0, duration=60.0),
+            job(2, 4, submit=20.0, duration=60.0, tenant="b")]
+    s = starts_of(Las2D(), jobs)
+    assert s[2] == 7200.0 and s[1] == 7260.0
+    assert starts_of(Fifo(), jobs)[1] == 7200.0  # submit order would serve a first
+
+
+def test_max_min_fair_share_gives_each_tenant_its_half():
+    # a sends eight 1-GPU runs first, b four later, on 4 GPUs: after a's first four, the GPUs alternate so that
+    # each tenant holds 2 of the 4.
+    jobs = [*[job(i, 1, duration=100.0) for i in range(8)], *[job(10 + i, 1, submit=1.0, duration=100.0, tenant="b")
+                                                            for i in range(4)]]
+    out = run(MaxMinFair(), jobs)
+    assert sorted(out.started[10 + i] for i in range(4)) == [100.0, 100.0, 200.0, 200.0]
+    running_at_150 = next(r for t, r, _ in reversed(out.timeline) if t <= 150.0)
+    assert running_at_150 == {"a": 2, "b": 2}
+
+
+def test_ours_learns_a_runs_real_time_when_it_ends():
+    # Users ask for more than they need: a run asked 1000 s, waited 50 s, ran 100 s. Its tenant's rho so far is
+    # corrected from (50 + 1000) / 1000 on the estimate to (50 + 100) / 100 on what it really ran, and its private
+    # pool's backlog gives back the time the run did not use.
+    from dask_gpu.queue_policy import FinishTimeFair
+
+    for learn, rho in ((True, 1.5), (False, 1.05)):
+        policy = FinishTimeFair(learn=learn)
+        state = ClusterState(free=[4])
+        policy.submit(job(0, 1, duration=1000.0), state)
+        (start,) = policy.schedule(50.0, state)
+        assert policy.rho("a", 50.0) == pytest.approx(1.05)
+        policy.finish([start.job], 150.0)
+        assert policy.rho("a", 150.0) == pytest.approx(rho)
+        assert policy.runs == {} and policy.alone == {}
+    assert policy.backlog["a"] == 250.0 and FinishTimeFair().backlog == {}
+    policy = FinishTimeFair()
+    policy.submit(job(0, 1, duration=1000.0), state := ClusterState(free=[4]))
+    (start,) = policy.schedule(0.0, state)
+    policy.finish([start.job], 100.0)
+    assert policy.backlog["a"] == 100.0  # 250 on the estimate; the pool was free again when the run ended

@@ -7,7 +7,7 @@ import pytest
 from bench.trace import BadTime, epoch, load, offered_load
 from dask_gpu.queue_policy import EasyBackfill, FinishTimeFair, Fifo, Job, PlainDask
 from dask_gpu.sim_metrics import finish_time_fairness, percentile, private_pool
-from dask_gpu.simulator import alone, simulate
+from dask_gpu.simulator import FAR_FRACTION, MODES, alone, simulate, user_estimate, with_estimates
 
 
 def job(i, gpus, submit=0.0, duration=10.0, tenant="a"):
@@ -78,6 +78,54 @@ def test_rho_compares_with_easy_alone_on_a_private_pool():
     assert out.max_rho == out.rho["b"] and 0 < out.min_s_active <= 1
 
 
+def test_user_estimates_are_modal_never_short_and_the_same_on_every_run():
+    durations = {i: 30.0 + 19.7 * i for i in range(2000)}  # 30 s to 11 h: two limits higher is always higher
+    jobs = [job(i, 1, duration=1.0) for i in durations]  # what the trace said is replaced
+    est = {j.id: j.estimate for j in with_estimates(jobs, durations, "user")}
+    assert est == {j.id: j.estimate for j in with_estimates(jobs, durations, "user")}  # deterministic
+    assert est != {j.id: j.estimate for j in with_estimates(jobs, durations, "user", seed=1)}  # seeded
+    assert set(est.values()) <= set(MODES) and all(est[i] >= d for i, d in durations.items())
+    # most jobs ask for the smallest limit that holds them; a seeded fraction asks two limits higher (capped)
+    smallest = {i: next(m for m in MODES if m >= d) for i, d in durations.items()}
+    far = {i for i in durations if est[i] != smallest[i]}
+    assert abs(len(far) / len(durations) - FAR_FRACTION) < 0.03
+    assert all(est[i] == MODES[min(MODES.index(smallest[i]) + 2, len(MODES) - 1)] for i in far)
+    assert user_estimate(60.0, 1) == 900.0 and user_estimate(60.0, 3) == 4 * 3600.0  # key 3 is one of the far ones
+    assert user_estimate(5 * 86400 + 1, 1) == 6 * 86400  # beyond the largest mode: whole days, still not short
+
+
+def test_oracle_and_no_estimates_and_a_bad_model():
+    durations = {0: 50.0, 1: 7000.0}
+    jobs = [job(i, 1, duration=1.0) for i in durations]
+    assert [j.estimate for j in with_estimates(jobs, durations, "oracle")] == [50.0, 7000.0]
+    assert [j.estimate for j in with_estimates(jobs, durations, "none", limit=21600)] == [21600, 21600]
+    with pytest.raises(ValueError, match="user, oracle, none"):
+        with_estimates(jobs, durations, "exact")
+
+
+def test_a_job_runs_its_real_time_whatever_it_asked():
+    jobs = with_estimates([job(0, 1), job(1, 1, submit=1.0)], {0: 60.0, 1: 30.0}, "user")
+    assert jobs[0].estimate == 900.0
+    out = simulate(jobs, {0: 60.0, 1: 30.0}, Fifo(), 1, 1)
+    assert out.ended == {0: 60.0, 1: 90.0}
+
+
+def test_rho_as_themis_sizes_the_pool_by_the_contention_each_tenant_met():
+    # 2 hosts x 4 GPUs. b's 4-GPU 10 s job and a's four 2-GPU 100 s jobs arrive at 0 (b first, FIFO): b and two of
+    # a's run at once, a's other two start at 10 when b ends. a had work over [0, 110) and b with it over [0, 10):
+    # contention a = (2 x 10 + 1 x 100) / 110, b = 2.
+    jobs = [job(0, 4, tenant="b"), *[job(1 + i, 2, duration=100.0) for i in range(4)]]
+    durations = {j.id: j.estimate for j in jobs}
+    out = simulate(jobs, durations, Fifo(), 2, 4).with_fairness(jobs, durations, 2, 4)
+    assert out.contention == pytest.approx({"a": 120 / 110, "b": 2.0})
+    assert out.jct_by_tenant == {"a": 100 + 100 + 110 + 110, "b": 10.0}
+    # Themis: a's pool is floor(8 / 1.09) = 7 GPUs (hosts of 4 and 3): three of its jobs at once, alone 500 s;
+    # with N = every tenant (2) its pool is 4 GPUs: two at once, alone 600 s. b: 4 GPUs either way.
+    assert out.rho == pytest.approx({"a": 420 / 500, "b": 1.0})
+    assert out.rho_slice == pytest.approx({"a": 420 / 600, "b": 1.0})
+    assert out.max_rho == 1.0 and out.max_rho_slice == 1.0
+
+
 def test_ours_serves_a_light_tenants_job_before_a_heavy_tenants_backlog():
     # a floods 1 host x 4 GPUs with 1-GPU 100 s runs; b sends one 1-GPU run later. Shortest first alone would
     # put b behind a's equally short runs; b's private pool is idle, so b's run is owed and starts first.
@@ -103,6 +151,18 @@ def test_the_examples_in_the_docstrings_hold():
     import bench.trace
     import dask_gpu.queue_policy
     import dask_gpu.sim_metrics
+    import dask_gpu.simulator
 
-    for module in (bench.trace, dask_gpu.queue_policy, dask_gpu.sim_metrics):
+    for module in (bench.trace, dask_gpu.queue_policy, dask_gpu.sim_metrics, dask_gpu.simulator):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_a_light_tenants_big_job_does_not_pass_everyones_small_ones():
+    # As above, and b also sends a 4-GPU 1000 s run. b is behind: its small run still goes first, but its big
+    # one waits for a's 100 s runs (fairness over work): a's last runs start at 300 s, not after b's 1000 s.
+    heavy = [job(i, 1, duration=100.0, tenant="a") for i in range(12)]
+    light = [job(99, 1, submit=5.0, duration=100.0, tenant="b"), job(98, 4, submit=5.0, duration=1000.0, tenant="b")]
+    s = run(FinishTimeFair(tail=0), [*heavy, *light]).started
+    assert s[99] == 100.0 and s[98] == 400.0 and max(s[i] for i in range(12)) == 300.0
+    s = run(FinishTimeFair(tail=0, sharpness=0), [*heavy, *light]).started  # the tiers: all of b's jobs first
+    assert s[98] == 200.0 and max(s[i] for i in range(12)) == 1300.0
