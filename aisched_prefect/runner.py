@@ -189,8 +189,16 @@ async def _run_ai_task(loop: LoopThread, task: Any, task_run_id: Any, parameters
     visit_collection(wait_for, visit_fn=collect, return_data=False)
     if futures:
         await _all_done(futures)
-    return await run_task_async(task=task, task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
-                                return_type="state", dependencies=dependencies)
+    from aisched_prefect.stream import ENGINE_SLOT
+
+    slot = loop.engine_slot()
+    ENGINE_SLOT.set(slot)
+    await slot.acquire()
+    try:
+        return await run_task_async(task=task, task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
+                                    return_type="state", dependencies=dependencies)
+    finally:
+        slot.release()
 
 
 async def _all_done(futures: list[Any]) -> None:

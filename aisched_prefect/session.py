@@ -26,7 +26,7 @@ from aisched_prefect.embedded import EmbeddedControlPlane
 from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, ConfigurationError
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import settings
-from aisched_prefect.stream import CallStream, LoopThread
+from aisched_prefect.stream import ENGINE_SLOT, CallStream, LoopThread
 from aisched_prefect.wire import ApprovalView, CallMeta, Reply
 from dask_gpu import StopRequested
 from dask_gpu.child import code_digest
@@ -197,7 +197,14 @@ class RunnerSession:
                         args_offset=len(fn_bytes), grant=self.config.grant, attempt=attempt,
                         parameters=parameters_summary(fn, args, kwargs),
                         approver="policy" if self.config.approver == "policy" else "pause")
-        reply, out = await self.stream.call(meta, fn_bytes, args_bytes)
+        slot = ENGINE_SLOT.get()
+        if slot is not None:  # waiting on the plane: the engine's turn at the Prefect API goes to another run
+            slot.release()
+        try:
+            reply, out = await self.stream.call(meta, fn_bytes, args_bytes)
+        finally:
+            if slot is not None:
+                await slot.acquire()
         while reply.status == "approval-pending":
             assert reply.approval is not None
             await asyncio.to_thread(as_sync(self._hook), reply.approval)

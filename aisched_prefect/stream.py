@@ -40,6 +40,30 @@ FAILOVER_SECONDS = 3.0  # a replica's poll that fails this long sends its calls 
 DOWN_SECONDS = 10.0  # a replica that failed is tried last for this long
 
 
+PREFECT_SLOTS = 32  # task engines talking to the Prefect API at once (a run waiting on the plane holds none)
+
+ENGINE_SLOT: contextvars.ContextVar["EngineSlot | None"] = contextvars.ContextVar("aisched_engine_slot", default=None)
+
+
+class EngineSlot:
+    """One task engine's turn at the Prefect API. Why: 10,000 engines that each start at once would open as many
+    requests to the Prefect server and time out; a run gives its turn back while it waits on the control plane
+    (`released`), so the turns bound the Prefect traffic, never how many runs wait."""
+
+    def __init__(self, slots: asyncio.Semaphore) -> None:
+        self.slots, self.held = slots, False
+
+    async def acquire(self) -> None:
+        if not self.held:
+            await self.slots.acquire()
+            self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.slots.release()
+
+
 class ResultMismatch(AISchedError):
     """A result's bytes are not the ones the control plane recorded: they were not unpickled."""
 
@@ -53,6 +77,13 @@ class LoopThread:
         self._thread.start()
         self._client_ctx: Any = None
         self._client_lock: asyncio.Lock | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    def engine_slot(self) -> EngineSlot:
+        """A turn at the Prefect API for one task engine on this loop (called on the loop)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(PREFECT_SLOTS)
+        return EngineSlot(self._slots)
 
     async def prefect_client(self) -> Any:
         """One Prefect async client context for every task engine on this loop (entered once, closed with it)."""

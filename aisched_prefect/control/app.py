@@ -182,8 +182,15 @@ class Sessions:
 
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
-        raw = plane.key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-        self._key = hashlib.sha256(b"aisched-session/1\n" + raw).digest()
+        self._secret: bytes | None = None
+
+    @property
+    def _key(self) -> bytes:
+        """Derived from the signing key when first needed (an app over a plane without one serves no pages)."""
+        if self._secret is None:
+            raw = self.plane.key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+            self._secret = hashlib.sha256(b"aisched-session/1\n" + raw).digest()
+        return self._secret
 
     def _mac(self, body: str) -> str:
         return hmac.new(self._key, body.encode(), hashlib.sha256).hexdigest()
