@@ -246,7 +246,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
     async def _guard(request: Request, call_next: Any) -> Response:
         """Every POST from another site is refused; every answer carries headers that keep pages out of frames,
         scripts and other sites' referrers."""
-        if request.method == "POST" and not same_site(request, plane.base_url):
+        if request.method == "POST" and not same_site(request, getattr(plane, "base_url", "")):
             response: Response = JSONResponse(Problem(
                 error="a cross-site request is refused: answer on the control plane's own page",
                 fix="open the approval page (its link) and answer there").model_dump(), status_code=403)
