@@ -4,6 +4,10 @@ Changes of authority (credentials, applied configuration, delegations,
 revocations, approvals) go through the control plane's API with the caller's
 credential. Reading the books (budgets, evidence, reports) is done on the
 ledger directly, as an auditor with database access would.
+
+Each command imports what it needs inside its own body: `aisched --help` and a
+command that only talks to the control plane load neither Prefect, Dask nor
+SQLAlchemy (seconds of start-up each; tests/test_cli_imports.py keeps it so).
 """
 
 from __future__ import annotations
@@ -19,11 +23,10 @@ from rich.console import Console
 from rich.table import Table
 
 from aisched_prefect.errors import AISchedError
-from aisched_prefect.ledger import Ledger
-from aisched_prefect.report import evidence_rows
 
 if TYPE_CHECKING:
     from aisched_prefect.client import ControlPlaneClient
+    from aisched_prefect.ledger import Ledger as LedgerType
 
 app = typer.Typer(help="aisched-prefect: the control plane, its authority, budgets and evidence.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -74,6 +77,13 @@ def _fail(what: str, fix: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL (default: AISCHED_LEDGER_URL or ~/.aisched/ledger.db).")
+
+
+def Ledger(url: Optional[str] = None) -> "LedgerType":  # noqa: N802 - reads as the class it returns
+    """The ledger at `url`, imported only by the commands that read the books (SQLAlchemy takes a second to load)."""
+    from aisched_prefect.ledger import Ledger as LedgerClass
+
+    return LedgerClass(url)
 
 
 def _table(title: str, rows: list[dict], columns: list[str]) -> Table:
@@ -201,13 +211,19 @@ def _control_plane_key(url: Optional[str]) -> bytes:
 @evidence_app.command("show")
 def evidence_show(flow_run: Optional[str] = typer.Option(None, help="Only this flow run's task runs."),
                   ledger: Optional[str] = LedgerOpt) -> None:
-    """One row per attempt of each AI task run: request, principal, grant, placement, reserved, charged, decision."""
-    from aisched_prefect.report import MONEY_NOTE, for_display
+    """One row per attempt of each AI task run (request, principal, grant, worker, reserved, charged, decision),
+    then the operators' records apart: credentials, applied configuration, grants."""
+    from aisched_prefect.report import MONEY_NOTE, evidence_rows, for_display, operator_rows
 
-    rows = [for_display(r) for r in evidence_rows(Ledger(ledger).records(flow_run))]
+    records = Ledger(ledger).records(flow_run)
+    rows = [for_display(r) for r in evidence_rows(records)]
     console.print(_table("AI task runs", rows, ["task", "attempt", "principal", "request", "grant", "worker", "devices",
                                                 "reserved", "charged", "decision"]))
     console.print(MONEY_NOTE)
+    operated = operator_rows(records) if flow_run is None else []
+    if operated:
+        console.print(_table("operators' records (credentials, configuration, grants)", operated,
+                             ["record", "kind", "by", "what"]))
 
 
 @app.command()
@@ -647,8 +663,9 @@ def _answer(approval_id: str, approve: bool, approver: Optional[str], reason: st
         body.update(signed_at=signed_at, signature=sign_approval(_load_key(key), view["digest"], approve, approver,
                                                                  reason, signed_at))
     out = plane.post(f"/v1/approvals/{approval_id}/answer", body)
-    console.print(f"{'approved' if approve else 'rejected'} {approval_id}: status {out['status']} "
-                  f"(approved by {', '.join(out['approved_by']) or 'nobody yet'})")
+    console.print(f"approved {approval_id}: status {out['status']} (approved by {', '.join(out['approved_by']) or 'nobody yet'})"
+                  if approve else f"rejected {approval_id}: the run will not start and its hold is released"
+                  if out["status"] == "rejected" else f"your rejection of {approval_id} is recorded (status {out['status']})")
 
 
 def _public_view(plane: "ControlPlaneClient", approval_id: str) -> dict:
@@ -777,23 +794,24 @@ def queue(as_json: bool = typer.Option(False, "--json", help="The queue's state 
         typer.echo(json.dumps(state, sort_keys=True))
         return
     now = time.time()
+    names = state.get("names") or {}  # address -> the worker's --name (a scheduler older than this CLI: none)
+
+    def named(addresses: list[str]) -> str:
+        return ", ".join(names.get(a, a) for a in addresses if a)
+
     rows = [{"#": i, "state": r["state"], "tenant": r["tenant"], "GPUs": r["gpus"], "priority": r["priority"],
              "preemptible": "yes" if r["preemptible"] else "", "est": f"{r['estimate']:.0f}s",
-             "for": f"{now - r['since']:.0f}s", "worker": ", ".join(r.get("workers") or [r["worker"] or ""])}
+             "for": f"{now - r['since']:.0f}s", "worker": named(r.get("workers") or [r["worker"] or ""])}
             for i, r in enumerate(state["runs"], 1)]
     console.print(_table(f"queue: {state['running']} running, {state['queued']} waiting", rows,
                          ["#", "state", "tenant", "GPUs", "priority", "preemptible", "est", "for", "worker"]))
-    free = ", ".join(f"{w} {n}" for w, n in state["free"].items())
+    free = ", ".join(f"{names.get(w, w)} {n:g}" for w, n in sorted(state["free"].items(), key=lambda kv: names.get(kv[0], kv[0])))
     weights = ", ".join(f"{t} {w:g}" for t, w in sorted(state["weights"].items())) or "every tenant 1"
     console.print(f"free GPUs: {free or 'no workers'}; tenant weights: {weights}; preempted so far: {state['preempted']}")
 
 
 def main() -> None:
     """`aisched`: every failure is one line naming the fix (with --debug anywhere, the traceback too)."""
-    import httpx
-
-    from aisched_prefect.client import ControlPlaneError
-
     debug = "--debug" in sys.argv
     if debug:
         sys.argv.remove("--debug")
@@ -802,17 +820,21 @@ def main() -> None:
         sys.exit(code if isinstance(code, int) else 0)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except (AISchedError, httpx.HTTPError, OSError, ValueError) as exc:
-        if debug:
-            raise
-        if isinstance(exc, ControlPlaneError):
-            typer.echo(f"error: the control plane refused (HTTP {exc.status}): {exc}", err=True)
-        else:
-            typer.echo(f"error: {exc}", err=True)
-        sys.exit(2 if isinstance(exc, (httpx.HTTPError, OSError)) else 1)
     except typer.Abort:
         sys.exit(1)
-    except Exception as exc:  # click's usage errors (typer vendors its own click) print themselves, one line
+    except Exception as exc:
+        httpx = sys.modules.get("httpx")  # loaded by whichever command talked HTTP; nothing is imported to check
+        http_error = httpx is not None and isinstance(exc, httpx.HTTPError)
+        if isinstance(exc, (AISchedError, OSError, ValueError)) or http_error:
+            if debug:
+                raise
+            client = sys.modules.get("aisched_prefect.client")
+            if client is not None and isinstance(exc, client.ControlPlaneError):
+                typer.echo(f"error: the control plane refused (HTTP {exc.status}): {exc}", err=True)
+            else:
+                typer.echo(f"error: {exc}", err=True)
+            sys.exit(2 if http_error or isinstance(exc, OSError) else 1)
+        # click's usage errors (typer vendors its own click) print themselves, one line
         show = getattr(exc, "show", None)
         if show is not None and hasattr(exc, "exit_code"):
             show()
