@@ -49,8 +49,6 @@ TokenOpt = typer.Option(None, "--token-file", help="File holding your token (def
 
 def _plane(url: Optional[str], token_file: Optional[str] = None, *, signed: bool = False) -> "ControlPlaneClient":
     """A client of the control plane with the caller's own token (operator, approver or flow)."""
-    from pathlib import Path
-
     from aisched_prefect.client import ControlPlaneClient
     from aisched_prefect.settings import settings
 
@@ -58,18 +56,28 @@ def _plane(url: Optional[str], token_file: Optional[str] = None, *, signed: bool
     urls = [url] if url else env.control_plane_urls()
     if not urls:
         _fail("no control plane address", "pass --control-plane URL or set AISCHED_CONTROL_PLANE (what `aisched serve` printed)")
-    token = None
-    if token_file:
-        token = Path(token_file).read_text().strip()
-    elif env.operator_token is not None:
-        token = env.operator_token.get_secret_value()
-    elif env.token is not None:
-        token = env.token.get_secret_value()
-    elif (env.home / "operator.token").exists():
-        token = (env.home / "operator.token").read_text().strip()
+    token = _token(token_file)
     if token is None and not signed:
         _fail("no credential", "set AISCHED_OPERATOR_TOKEN (operators), AISCHED_TOKEN (approvers), or pass --token-file")
     return ControlPlaneClient(urls, token or "", retry_seconds=3.0)
+
+
+def _token(token_file: Optional[str]) -> Optional[str]:
+    """The caller's token: --token-file, AISCHED_OPERATOR_TOKEN, AISCHED_TOKEN, or this host's operator token file."""
+    from pathlib import Path
+
+    from aisched_prefect.settings import settings
+
+    env = settings()
+    if token_file:
+        return Path(token_file).read_text().strip()
+    if env.operator_token is not None:
+        return env.operator_token.get_secret_value()
+    if env.token is not None:
+        return env.token.get_secret_value()
+    if (env.home / "operator.token").exists():
+        return (env.home / "operator.token").read_text().strip()
+    return None
 
 
 def _fail(what: str, fix: str, code: int = 1) -> None:
@@ -478,10 +486,14 @@ def credentials_revoke(credential_id: str, control_plane: Optional[str] = PlaneO
 
 
 @app.command()
-def workers(as_json: bool = typer.Option(False, "--json"), control_plane: Optional[str] = PlaneOpt,
-            token_file: Optional[str] = TokenOpt) -> None:
+def workers(as_json: bool = typer.Option(False, "--json"),
+            wait: int = typer.Option(0, "--wait", min=0, help="First wait until the control plane answers and this "
+                                     "many GPU workers have joined (a script that starts a cluster)."),
+            timeout: float = typer.Option(120.0, "--timeout", min=0, help="How long --wait waits, in seconds."),
+            control_plane: Optional[str] = PlaneOpt, token_file: Optional[str] = TokenOpt) -> None:
     """The cluster's GPU workers: each device, its type and memory, what is used and by which run, what is free."""
-    view = _plane(control_plane, token_file).get("/v1/cluster")
+    view = _wait_for_workers(control_plane, token_file, wait, timeout) if wait else \
+        _plane(control_plane, token_file).get("/v1/cluster")
     if as_json:
         typer.echo(json.dumps(view, sort_keys=True))
         return
@@ -501,6 +513,34 @@ def workers(as_json: bool = typer.Option(False, "--json"), control_plane: Option
                          "held by": ""})
     console.print(_table(f"GPU workers of {view['dask']}", rows,
                          ["worker", "device", "type", "memory", "used", "free", "held by"]))
+
+
+def _wait_for_workers(url: Optional[str], token_file: Optional[str], n: int, timeout: float) -> dict:
+    """The cluster view once `n` GPU workers are in it; exit 1 naming what is missing after `timeout` seconds.
+
+    A control plane starting on this host writes its operator token first: until then there is none to read.
+    """
+    from aisched_prefect.client import ControlPlaneUnavailable
+
+    deadline = time.monotonic() + timeout
+    view: Optional[dict] = None
+    plane = None
+    while True:
+        try:
+            if plane is None and (_token(token_file) is not None or time.monotonic() > deadline):
+                plane = _plane(url, token_file)  # past the deadline without a token: fails naming the fix
+            if plane is not None:
+                view = plane.get("/v1/cluster")
+                if len(view["workers"]) >= n:
+                    return view
+        except ControlPlaneUnavailable:
+            pass
+        if time.monotonic() > deadline:
+            got = "the control plane does not answer" if view is None else \
+                f"{len(view['workers'])} joined ({', '.join(w['name'] for w in view['workers']) or 'none'})"
+            _fail(f"waited {timeout:g} s for {n} GPU worker(s): {got}",
+                  "start them (dask-gpu-worker SCHEDULER --trust-key KEY ...) and read their logs, or wait longer: --timeout")
+        time.sleep(0.25)
 
 
 @app.command()
