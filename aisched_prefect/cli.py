@@ -775,7 +775,7 @@ def report(
     flow_run: Optional[str] = typer.Option(None, "--flow-run", help="Only the AI runs of this flow run."),
     csv_out: Optional[str] = typer.Option(None, "--csv", help="One line per run as CSV, to FILE or - (standard output)."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines (records: run, group, total, budget) instead of tables."),
-    plot: Optional[str] = typer.Option(None, "--plot", help="PNG of cumulative spend per group (needs matplotlib: the bench extra)."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="PNG of cumulative spend per group (needs matplotlib: pip install '.[report]')."),
     ledger: Optional[str] = LedgerOpt,
 ) -> None:
     """GPU-hours, tokens and money of settled AI runs by group, against every budget; money to the cent."""

@@ -85,6 +85,14 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
         server.run(sockets=[sock])
     finally:
         _close_within(plane, config.stop_seconds)
+    _exit_now()  # stopped by a signal, everything closed: the interpreter's own exit would join pools for seconds
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 def _uvicorn_server(config: Any) -> Any:
@@ -125,8 +133,7 @@ def _close_within(plane: Any, seconds: float) -> None:
         logger.warning("aisched serve: stopped")
         return
     logger.warning("aisched serve: stopped (closing had not finished within %.1f s; exiting without waiting)", seconds)
-    logging.shutdown()
-    os._exit(0)  # the interpreter would otherwise wait on the Dask client's threads
+    _exit_now()  # the interpreter would otherwise wait on the Dask client's threads
 
 
 def _log_to_stderr() -> None:
