@@ -97,6 +97,8 @@ def _operator_summary(kind: str, p: dict[str, Any]) -> str:
     if kind == "delegation":
         g = p.get("grant") or {}
         return f"grant {g.get('id')} delegated to {g.get('principal')} from {g.get('parent')}"
+    if kind == "budget-limits":
+        return f"budget limits version {p.get('version')}, from {p.get('source')}"
     if kind == "revocation":
         return f"grant {p.get('grant')} revoked" + (f": {p['reason']}" if p.get("reason") else "")
     return ", ".join(f"{k}={v}" for k, v in p.items() if k != "sig" and not isinstance(v, (dict, list)))[:160]
