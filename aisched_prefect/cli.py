@@ -133,7 +133,7 @@ def _write_keypair(out: str, force: bool = False) -> str:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
-    from aisched_prefect.control.service import write_private
+    from aisched_prefect.control.keys import write_private
 
     key = Ed25519PrivateKey.generate()
     try:
@@ -469,7 +469,7 @@ def credentials_issue(principal: str = typer.Argument(..., help="Who the credent
     if out:
         from pathlib import Path
 
-        from aisched_prefect.control.service import write_private
+        from aisched_prefect.control.keys import write_private
 
         write_private(Path(out), issued["token"].encode(), force=True)
         console.print(f"credential {issued['credential']['id']} for {principal} written to {out}")
@@ -648,12 +648,14 @@ def serve(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     Prints one JSON line when ready: its URL, its public key (workers of an existing cluster trust it:
     `dask-gpu-worker ... --trust-key KEY`), and on first start where the operator token was written.
     """
-    if print_key:
-        from aisched_prefect.control.service import load_or_make_key
-        from aisched_prefect.settings import settings
-        from dask_gpu.tickets import TicketSigner
+    if print_key:  # what workers trust: the raw Ed25519 public key, as dask_gpu.tickets.TicketSigner reads it
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-        typer.echo(TicketSigner(load_or_make_key(settings().home / "control.key")).public_key.hex())
+        from aisched_prefect.control.keys import load_or_make_key
+        from aisched_prefect.settings import settings
+
+        key = load_or_make_key(settings().home / "control.key")
+        typer.echo(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex())
         return
     from aisched_prefect.control.server import serve as run
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("prefect", "distributed", "dask", "sqlalchemy", "blocks", "aisched_prefect.control")
+HEAVY = ("prefect", "distributed", "dask", "sqlalchemy", "blocks", "aisched_prefect.control.service")
 
 QUEUE = {
     "queued": 1, "running": 1, "fractions": 0, "preempted": 0, "weights": {"team-a": 2.0},
@@ -105,3 +105,14 @@ def test_the_package_still_exports_its_public_names():
     assert aisched_prefect.ledger.Ledger is aisched_prefect.Ledger  # submodules are attributes, as before
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         aisched_prefect.nope  # noqa: B018
+
+
+def test_print_key_is_the_key_workers_trust_and_loads_nothing_heavy(tmp_path):
+    """`aisched serve --print-key` runs before workers start (their --trust-key): it must be quick, and right."""
+    loaded, out = run_cli(["serve", "--print-key"], tmp_path)
+    assert loaded.pop("exit") in (0, None), out
+    assert not any(loaded.values()), f"`aisched serve --print-key` imported {[m for m, v in loaded.items() if v]}"
+    from aisched_prefect.control.service import load_or_make_key
+    from dask_gpu.tickets import TicketSigner
+
+    assert out.split()[0] == TicketSigner(load_or_make_key(tmp_path / "control.key")).public_key.hex()
