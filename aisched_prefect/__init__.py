@@ -1,63 +1,98 @@
-"""aisched-prefect: admission, placement, budgets, approvals and evidence for AI tasks in Prefect."""
+"""aisched-prefect: admission, placement, budgets, approvals and evidence for AI tasks in Prefect.
 
-from aisched_prefect.approvals import ApprovalDecision, ApprovalInput
-from aisched_prefect.body import task_logger
-from aisched_prefect.client import ControlPlaneClient, ControlPlaneError, ControlPlaneUnavailable
-from aisched_prefect.errors import (
-    AdmissionDenied,
-    AISchedError,
-    ConfigurationError,
-    InvalidAIRequest,
-    InvalidConfig,
-    InvalidUsage,
-    LedgerUnavailable,
-    NoAdmissionContext,
-    RequestTooLarge,
-    TooManyOpenApprovals,
-)
-from aisched_prefect.evidence import ChainReport, EvidenceRecord, verify_chain
-from aisched_prefect.ledger import Ledger
-from aisched_prefect.report import evidence_rows
-from aisched_prefect.request import AIRequest
-from aisched_prefect.runner import AISchedTaskRunner
-from aisched_prefect.task import ai_task, request_of
-from aisched_prefect.usage import ReportedUsage, report_usage
-from aisched_prefect.wire import ApprovalView
-from dask_gpu import checkpoint, current_devices, current_worker, run_subprocess
-from dask_gpu.tickets import TicketRejected
+The public names below are imported on first use (PEP 562), not with the package: `aisched --help` and the
+commands that only talk to the control plane must not pay for Prefect, Dask and SQLAlchemy (seconds a command).
+`from aisched_prefect import ai_task` works as before.
+"""
 
-__all__ = [
-    "AIRequest",
-    "AISchedError",
-    "AISchedTaskRunner",
-    "AdmissionDenied",
-    "ApprovalDecision",
-    "ApprovalInput",
-    "ApprovalView",
-    "ChainReport",
-    "ConfigurationError",
-    "ControlPlaneClient",
-    "ControlPlaneError",
-    "ControlPlaneUnavailable",
-    "EvidenceRecord",
-    "InvalidAIRequest",
-    "InvalidConfig",
-    "InvalidUsage",
-    "Ledger",
-    "LedgerUnavailable",
-    "NoAdmissionContext",
-    "ReportedUsage",
-    "RequestTooLarge",
-    "TicketRejected",
-    "TooManyOpenApprovals",
-    "ai_task",
-    "checkpoint",
-    "current_devices",
-    "current_worker",
-    "evidence_rows",
-    "report_usage",
-    "request_of",
-    "run_subprocess",
-    "task_logger",
-    "verify_chain",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE = {
+    "ApprovalDecision": "aisched_prefect.approvals",
+    "ApprovalInput": "aisched_prefect.approvals",
+    "task_logger": "aisched_prefect.body",
+    "ControlPlaneClient": "aisched_prefect.client",
+    "ControlPlaneError": "aisched_prefect.client",
+    "ControlPlaneUnavailable": "aisched_prefect.client",
+    "AdmissionDenied": "aisched_prefect.errors",
+    "AISchedError": "aisched_prefect.errors",
+    "ConfigurationError": "aisched_prefect.errors",
+    "InvalidAIRequest": "aisched_prefect.errors",
+    "InvalidConfig": "aisched_prefect.errors",
+    "InvalidUsage": "aisched_prefect.errors",
+    "LedgerUnavailable": "aisched_prefect.errors",
+    "NoAdmissionContext": "aisched_prefect.errors",
+    "RequestTooLarge": "aisched_prefect.errors",
+    "SchedulerLost": "aisched_prefect.errors",
+    "TooManyOpenApprovals": "aisched_prefect.errors",
+    "ChainReport": "aisched_prefect.evidence",
+    "EvidenceRecord": "aisched_prefect.evidence",
+    "verify_chain": "aisched_prefect.evidence",
+    "Ledger": "aisched_prefect.ledger",
+    "evidence_rows": "aisched_prefect.report",
+    "AIRequest": "aisched_prefect.request",
+    "AISchedTaskRunner": "aisched_prefect.runner",
+    "ai_task": "aisched_prefect.task",
+    "request_of": "aisched_prefect.task",
+    "ReportedUsage": "aisched_prefect.usage",
+    "report_usage": "aisched_prefect.usage",
+    "ApprovalView": "aisched_prefect.wire",
+    "checkpoint": "dask_gpu",
+    "current_devices": "dask_gpu",
+    "current_worker": "dask_gpu",
+    "current_worker_name": "dask_gpu",
+    "run_subprocess": "dask_gpu",
+    "TicketRejected": "dask_gpu.tickets",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:  # a submodule (`aisched_prefect.ledger`), as the eager package made them attributes
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from aisched_prefect.approvals import ApprovalDecision, ApprovalInput
+    from aisched_prefect.body import task_logger
+    from aisched_prefect.client import ControlPlaneClient, ControlPlaneError, ControlPlaneUnavailable
+    from aisched_prefect.errors import (
+        AdmissionDenied,
+        AISchedError,
+        ConfigurationError,
+        InvalidAIRequest,
+        InvalidConfig,
+        InvalidUsage,
+        LedgerUnavailable,
+        NoAdmissionContext,
+        RequestTooLarge,
+        SchedulerLost,
+        TooManyOpenApprovals,
+    )
+    from aisched_prefect.evidence import ChainReport, EvidenceRecord, verify_chain
+    from aisched_prefect.ledger import Ledger
+    from aisched_prefect.report import evidence_rows
+    from aisched_prefect.request import AIRequest
+    from aisched_prefect.runner import AISchedTaskRunner
+    from aisched_prefect.task import ai_task, request_of
+    from aisched_prefect.usage import ReportedUsage, report_usage
+    from aisched_prefect.wire import ApprovalView
+    from dask_gpu import checkpoint, current_devices, current_worker, current_worker_name, run_subprocess
+    from dask_gpu.tickets import TicketRejected

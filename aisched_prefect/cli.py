@@ -4,6 +4,10 @@ Changes of authority (credentials, applied configuration, delegations,
 revocations, approvals) go through the control plane's API with the caller's
 credential. Reading the books (budgets, evidence, reports) is done on the
 ledger directly, as an auditor with database access would.
+
+Each command imports what it needs inside its own body: `aisched --help` and a
+command that only talks to the control plane load neither Prefect, Dask nor
+SQLAlchemy (seconds of start-up each; tests/test_cli_imports.py keeps it so).
 """
 
 from __future__ import annotations
@@ -19,11 +23,10 @@ from rich.console import Console
 from rich.table import Table
 
 from aisched_prefect.errors import AISchedError
-from aisched_prefect.ledger import Ledger
-from aisched_prefect.report import evidence_rows
 
 if TYPE_CHECKING:
     from aisched_prefect.client import ControlPlaneClient
+    from aisched_prefect.ledger import Ledger as LedgerType
 
 app = typer.Typer(help="aisched-prefect: the control plane, its authority, budgets and evidence.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -46,8 +49,6 @@ TokenOpt = typer.Option(None, "--token-file", help="File holding your token (def
 
 def _plane(url: Optional[str], token_file: Optional[str] = None, *, signed: bool = False) -> "ControlPlaneClient":
     """A client of the control plane with the caller's own token (operator, approver or flow)."""
-    from pathlib import Path
-
     from aisched_prefect.client import ControlPlaneClient
     from aisched_prefect.settings import settings
 
@@ -55,18 +56,28 @@ def _plane(url: Optional[str], token_file: Optional[str] = None, *, signed: bool
     urls = [url] if url else env.control_plane_urls()
     if not urls:
         _fail("no control plane address", "pass --control-plane URL or set AISCHED_CONTROL_PLANE (what `aisched serve` printed)")
-    token = None
-    if token_file:
-        token = Path(token_file).read_text().strip()
-    elif env.operator_token is not None:
-        token = env.operator_token.get_secret_value()
-    elif env.token is not None:
-        token = env.token.get_secret_value()
-    elif (env.home / "operator.token").exists():
-        token = (env.home / "operator.token").read_text().strip()
+    token = _token(token_file)
     if token is None and not signed:
         _fail("no credential", "set AISCHED_OPERATOR_TOKEN (operators), AISCHED_TOKEN (approvers), or pass --token-file")
     return ControlPlaneClient(urls, token or "", retry_seconds=3.0)
+
+
+def _token(token_file: Optional[str]) -> Optional[str]:
+    """The caller's token: --token-file, AISCHED_OPERATOR_TOKEN, AISCHED_TOKEN, or this host's operator token file."""
+    from pathlib import Path
+
+    from aisched_prefect.settings import settings
+
+    env = settings()
+    if token_file:
+        return Path(token_file).read_text().strip()
+    if env.operator_token is not None:
+        return env.operator_token.get_secret_value()
+    if env.token is not None:
+        return env.token.get_secret_value()
+    if (env.home / "operator.token").exists():
+        return (env.home / "operator.token").read_text().strip()
+    return None
 
 
 def _fail(what: str, fix: str, code: int = 1) -> None:
@@ -74,6 +85,13 @@ def _fail(what: str, fix: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL (default: AISCHED_LEDGER_URL or ~/.aisched/ledger.db).")
+
+
+def Ledger(url: Optional[str] = None) -> "LedgerType":  # noqa: N802 - reads as the class it returns
+    """The ledger at `url`, imported only by the commands that read the books (SQLAlchemy takes a second to load)."""
+    from aisched_prefect.ledger import Ledger as LedgerClass
+
+    return LedgerClass(url)
 
 
 def _table(title: str, rows: list[dict], columns: list[str]) -> Table:
@@ -115,7 +133,7 @@ def _write_keypair(out: str, force: bool = False) -> str:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
-    from aisched_prefect.control.service import write_private
+    from aisched_prefect.control.keys import write_private
 
     key = Ed25519PrivateKey.generate()
     try:
@@ -201,13 +219,19 @@ def _control_plane_key(url: Optional[str]) -> bytes:
 @evidence_app.command("show")
 def evidence_show(flow_run: Optional[str] = typer.Option(None, help="Only this flow run's task runs."),
                   ledger: Optional[str] = LedgerOpt) -> None:
-    """One row per attempt of each AI task run: request, principal, grant, placement, reserved, charged, decision."""
-    from aisched_prefect.report import MONEY_NOTE, for_display
+    """One row per attempt of each AI task run (request, principal, grant, worker, reserved, charged, decision),
+    then the operators' records apart: credentials, applied configuration, grants."""
+    from aisched_prefect.report import MONEY_NOTE, evidence_rows, for_display, operator_rows
 
-    rows = [for_display(r) for r in evidence_rows(Ledger(ledger).records(flow_run))]
+    records = Ledger(ledger).records(flow_run)
+    rows = [for_display(r) for r in evidence_rows(records)]
     console.print(_table("AI task runs", rows, ["task", "attempt", "principal", "request", "grant", "worker", "devices",
                                                 "reserved", "charged", "decision"]))
     console.print(MONEY_NOTE)
+    operated = operator_rows(records) if flow_run is None else []
+    if operated:
+        console.print(_table("operators' records (credentials, configuration, grants)", operated,
+                             ["record", "kind", "by", "what"]))
 
 
 @app.command()
@@ -445,7 +469,7 @@ def credentials_issue(principal: str = typer.Argument(..., help="Who the credent
     if out:
         from pathlib import Path
 
-        from aisched_prefect.control.service import write_private
+        from aisched_prefect.control.keys import write_private
 
         write_private(Path(out), issued["token"].encode(), force=True)
         console.print(f"credential {issued['credential']['id']} for {principal} written to {out}")
@@ -462,10 +486,14 @@ def credentials_revoke(credential_id: str, control_plane: Optional[str] = PlaneO
 
 
 @app.command()
-def workers(as_json: bool = typer.Option(False, "--json"), control_plane: Optional[str] = PlaneOpt,
-            token_file: Optional[str] = TokenOpt) -> None:
+def workers(as_json: bool = typer.Option(False, "--json"),
+            wait: int = typer.Option(0, "--wait", min=0, help="First wait until the control plane answers and this "
+                                     "many GPU workers have joined (a script that starts a cluster)."),
+            timeout: float = typer.Option(120.0, "--timeout", min=0, help="How long --wait waits, in seconds."),
+            control_plane: Optional[str] = PlaneOpt, token_file: Optional[str] = TokenOpt) -> None:
     """The cluster's GPU workers: each device, its type and memory, what is used and by which run, what is free."""
-    view = _plane(control_plane, token_file).get("/v1/cluster")
+    view = _wait_for_workers(control_plane, token_file, wait, timeout) if wait else \
+        _plane(control_plane, token_file).get("/v1/cluster")
     if as_json:
         typer.echo(json.dumps(view, sort_keys=True))
         return
@@ -485,6 +513,34 @@ def workers(as_json: bool = typer.Option(False, "--json"), control_plane: Option
                          "held by": ""})
     console.print(_table(f"GPU workers of {view['dask']}", rows,
                          ["worker", "device", "type", "memory", "used", "free", "held by"]))
+
+
+def _wait_for_workers(url: Optional[str], token_file: Optional[str], n: int, timeout: float) -> dict:
+    """The cluster view once `n` GPU workers are in it; exit 1 naming what is missing after `timeout` seconds.
+
+    A control plane starting on this host writes its operator token first: until then there is none to read.
+    """
+    from aisched_prefect.client import ControlPlaneUnavailable
+
+    deadline = time.monotonic() + timeout
+    view: Optional[dict] = None
+    plane = None
+    while True:
+        try:
+            if plane is None and (_token(token_file) is not None or time.monotonic() > deadline):
+                plane = _plane(url, token_file)  # past the deadline without a token: fails naming the fix
+            if plane is not None:
+                view = plane.get("/v1/cluster")
+                if len(view["workers"]) >= n:
+                    return view
+        except ControlPlaneUnavailable:
+            pass
+        if time.monotonic() > deadline:
+            got = "the control plane does not answer" if view is None else \
+                f"{len(view['workers'])} joined ({', '.join(w['name'] for w in view['workers']) or 'none'})"
+            _fail(f"waited {timeout:g} s for {n} GPU worker(s): {got}",
+                  "start them (dask-gpu-worker SCHEDULER --trust-key KEY ...) and read their logs, or wait longer: --timeout")
+        time.sleep(0.25)
 
 
 @app.command()
@@ -595,12 +651,14 @@ def serve(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     Prints one JSON line when ready: its URL, its public key (workers of an existing cluster trust it:
     `dask-gpu-worker ... --trust-key KEY`), and on first start where the operator token was written.
     """
-    if print_key:
-        from aisched_prefect.control.service import load_or_make_key
-        from aisched_prefect.settings import settings
-        from dask_gpu.tickets import TicketSigner
+    if print_key:  # what workers trust: the raw Ed25519 public key, as dask_gpu.tickets.TicketSigner reads it
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-        typer.echo(TicketSigner(load_or_make_key(settings().home / "control.key")).public_key.hex())
+        from aisched_prefect.control.keys import load_or_make_key
+        from aisched_prefect.settings import settings
+
+        key = load_or_make_key(settings().home / "control.key")
+        typer.echo(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex())
         return
     from aisched_prefect.control.server import serve as run
 
@@ -658,8 +716,9 @@ def _answer(approval_id: str, approve: bool, approver: Optional[str], reason: st
         body.update(signed_at=signed_at, signature=sign_approval(_load_key(key), view["digest"], approve, approver,
                                                                  reason, signed_at))
     out = plane.post(f"/v1/approvals/{approval_id}/answer", body)
-    console.print(f"{'approved' if approve else 'rejected'} {approval_id}: status {out['status']} "
-                  f"(approved by {', '.join(out['approved_by']) or 'nobody yet'})")
+    console.print(f"approved {approval_id}: status {out['status']} (approved by {', '.join(out['approved_by']) or 'nobody yet'})"
+                  if approve else f"rejected {approval_id}: the run will not start and its hold is released"
+                  if out["status"] == "rejected" else f"your rejection of {approval_id} is recorded (status {out['status']})")
 
 
 def _public_view(plane: "ControlPlaneClient", approval_id: str) -> dict:
@@ -730,7 +789,7 @@ def report(
     flow_run: Optional[str] = typer.Option(None, "--flow-run", help="Only the AI runs of this flow run."),
     csv_out: Optional[str] = typer.Option(None, "--csv", help="One line per run as CSV, to FILE or - (standard output)."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines (records: run, group, total, budget) instead of tables."),
-    plot: Optional[str] = typer.Option(None, "--plot", help="PNG of cumulative spend per group (needs matplotlib: the bench extra)."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="PNG of cumulative spend per group (needs matplotlib: pip install '.[report]')."),
     ledger: Optional[str] = LedgerOpt,
 ) -> None:
     """GPU-hours, tokens and money of settled AI runs by group, against every budget; money to the cent."""
@@ -789,23 +848,24 @@ def queue(as_json: bool = typer.Option(False, "--json", help="The queue's state 
         typer.echo(json.dumps(state, sort_keys=True))
         return
     now = time.time()
+    names = state.get("names") or {}  # address -> the worker's --name (a scheduler older than this CLI: none)
+
+    def named(addresses: list[str]) -> str:
+        return ", ".join(names.get(a, a) for a in addresses if a)
+
     rows = [{"#": i, "state": r["state"], "tenant": r["tenant"], "GPUs": r["gpus"], "priority": r["priority"],
              "preemptible": "yes" if r["preemptible"] else "", "est": f"{r['estimate']:.0f}s",
-             "for": f"{now - r['since']:.0f}s", "worker": ", ".join(r.get("workers") or [r["worker"] or ""])}
+             "for": f"{now - r['since']:.0f}s", "worker": named(r.get("workers") or [r["worker"] or ""])}
             for i, r in enumerate(state["runs"], 1)]
     console.print(_table(f"queue: {state['running']} running, {state['queued']} waiting", rows,
                          ["#", "state", "tenant", "GPUs", "priority", "preemptible", "est", "for", "worker"]))
-    free = ", ".join(f"{w} {n}" for w, n in state["free"].items())
+    free = ", ".join(f"{names.get(w, w)} {n:g}" for w, n in sorted(state["free"].items(), key=lambda kv: names.get(kv[0], kv[0])))
     weights = ", ".join(f"{t} {w:g}" for t, w in sorted(state["weights"].items())) or "every tenant 1"
     console.print(f"free GPUs: {free or 'no workers'}; tenant weights: {weights}; preempted so far: {state['preempted']}")
 
 
 def main() -> None:
     """`aisched`: every failure is one line naming the fix (with --debug anywhere, the traceback too)."""
-    import httpx
-
-    from aisched_prefect.client import ControlPlaneError
-
     debug = "--debug" in sys.argv
     if debug:
         sys.argv.remove("--debug")
@@ -814,17 +874,21 @@ def main() -> None:
         sys.exit(code if isinstance(code, int) else 0)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except (AISchedError, httpx.HTTPError, OSError, ValueError) as exc:
-        if debug:
-            raise
-        if isinstance(exc, ControlPlaneError):
-            typer.echo(f"error: the control plane refused (HTTP {exc.status}): {exc}", err=True)
-        else:
-            typer.echo(f"error: {exc}", err=True)
-        sys.exit(2 if isinstance(exc, (httpx.HTTPError, OSError)) else 1)
     except typer.Abort:
         sys.exit(1)
-    except Exception as exc:  # click's usage errors (typer vendors its own click) print themselves, one line
+    except Exception as exc:
+        httpx = sys.modules.get("httpx")  # loaded by whichever command talked HTTP; nothing is imported to check
+        http_error = httpx is not None and isinstance(exc, httpx.HTTPError)
+        if isinstance(exc, (AISchedError, OSError, ValueError)) or http_error:
+            if debug:
+                raise
+            client = sys.modules.get("aisched_prefect.client")
+            if client is not None and isinstance(exc, client.ControlPlaneError):
+                typer.echo(f"error: the control plane refused (HTTP {exc.status}): {exc}", err=True)
+            else:
+                typer.echo(f"error: {exc}", err=True)
+            sys.exit(2 if http_error or isinstance(exc, OSError) else 1)
+        # click's usage errors (typer vendors its own click) print themselves, one line
         show = getattr(exc, "show", None)
         if show is not None and hasattr(exc, "exit_code"):
             show()

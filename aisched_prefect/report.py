@@ -30,12 +30,17 @@ def money_of(items: list[dict[str, Any]], field: str) -> float:
 
 def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
     """One row per attempt of each task run (a retry, or a requeue, is a row of its own): request, principal,
-    grant, placement, reserved, charged, decision."""
+    grant, placement (`worker` is the worker's name, `address` where it was), reserved, charged, decision.
+
+    Records of no task run (credentials, applied configuration, grants: see `operator_rows`) are not rows here.
+    """
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     attempt: dict[str, int] = {}  # task run -> its attempt now: a new admission after a settlement is the next one
     settled: set[str] = set()
     for r in records:
-        run = r.task_run_id or f"seq-{r.seq}"
+        if not r.task_run_id:
+            continue
+        run = r.task_run_id
         p = r.payload
         if r.kind == "admission" and run in settled:  # a retry (or a requeue) of the same task run: a row of its own
             settled.discard(run)
@@ -45,7 +50,7 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
         n = attempt.setdefault(run, 1)
         row = rows.setdefault((run, n), {
             "task": p.get("task"), "task_run_id": r.task_run_id, "attempt": n, "principal": r.principal,
-            "request": _request_summary(p.get("request", {})), "grant": None, "worker": None,
+            "request": _request_summary(p.get("request", {})), "grant": None, "worker": None, "address": None,
             "devices": None, "reserved": 0.0, "charged": 0.0, "decision": None, "records": "",
         })
         row["records"] = f"{row['records']},{r.seq}".lstrip(",")
@@ -65,13 +70,46 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
             row["decision"] = f"worker {p.get('name') or p.get('worker')} died (devices {_devices(p.get('devices'))})"
         elif r.kind == "settlement":
             placement = p.get("placement") or {}
-            row["worker"] = placement.get("worker")
+            row["worker"] = placement.get("name") or placement.get("worker")
+            row["address"] = placement.get("worker")
             row["devices"] = ",".join(str(d) for d in placement.get("devices", [])) or None
             row["charged"] = money_of(p.get("settlements", []), "charged")
             row["decision"] = p.get("outcome")
             if p.get("attempts") and len(p["attempts"]) > 1:
                 row["decision"] += f" ({len(p['attempts']) - 1} re-run(s) refused)"
     return list(rows.values())
+
+
+def _operator_summary(kind: str, p: dict[str, Any]) -> str:
+    """One line for a person: what an operator (or the control plane's own start) did."""
+    if kind == "credential-issued":
+        c = p.get("credential") or {}
+        bound = ", ".join(f"{k} {c[k]}" for k in ("authority", "budget", "policy", "cluster") if c.get(k))
+        return f"{c.get('role')} credential {c.get('id')} for {c.get('principal')} (tenant {c.get('tenant')}" + \
+            (f"; {bound})" if bound else ")")
+    if kind == "credential-revoked":
+        return f"credential {p.get('id')} revoked"
+    if kind == "config-applied":
+        return f"{p.get('kind')} {p.get('name')!r} applied: version {p.get('version')} ({str(p.get('digest'))[:12]})"
+    if kind == "config-drift":
+        return (f"{p.get('kind')} {p.get('name')!r} edited in Prefect after version {p.get('applied_version')} was "
+                "applied: not enforced until an operator applies it")
+    if kind == "delegation":
+        g = p.get("grant") or {}
+        return f"grant {g.get('id')} delegated to {g.get('principal')} from {g.get('parent')}"
+    if kind == "budget-limits":
+        return f"budget limits version {p.get('version')}, from {p.get('source')}"
+    if kind == "revocation":
+        return f"grant {p.get('grant')} revoked" + (f": {p['reason']}" if p.get("reason") else "")
+    return ", ".join(f"{k}={v}" for k, v in p.items() if k != "sig" and not isinstance(v, (dict, list)))[:160]
+
+
+def operator_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
+    """The records of no task run, one row each: credentials issued and revoked, configuration applied, grants
+    delegated and revoked, drift found; who did it (`by`) and what, in words."""
+    return [{"record": r.seq, "kind": r.kind, "by": r.payload.get("by") or r.principal,
+             "what": _operator_summary(r.kind, r.payload)}
+            for r in records if not r.task_run_id]
 
 
 def _devices(devices: Any) -> str:

@@ -47,6 +47,8 @@ class Settings(BaseSettings):
     day_report_seconds: float = Field(default=300.0, gt=0, description="How often the day's usage artifact is rebuilt.")
     queue_sync_seconds: float = Field(default=30.0, gt=0, description="How often the control plane sets the queue's "
                                       "tenant weights on the scheduler again (a restarted scheduler gets them back).")
+    stop_seconds: float = Field(default=1.5, gt=0, description="On SIGTERM, how long `aisched serve` lets open requests "
+                                "finish, and then its Dask client and ledger close, before it exits anyway.")
 
     session_lease_seconds: float = Field(
         default=60.0, ge=2, description="A flow process that has not asked for its outcomes for this long is gone: "

@@ -379,7 +379,7 @@ def plot_spend(rows: list[UsageRow], by: str, path: str, *, title: str = "Cumula
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib)") from None
+        raise PlotUnavailable("--plot needs matplotlib: pip install '.[report]' (or pip install matplotlib)") from None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     try:
         lines: dict[str, tuple[list[datetime], list[Decimal]]] = {}

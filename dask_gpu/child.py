@@ -26,6 +26,7 @@ from typing import Any
 from dask_gpu.zygote import recv_msg, send_msg
 
 WORKER_ENV = "DASK_GPU_WORKER"
+WORKER_NAME_ENV = "DASK_GPU_WORKER_NAME"
 _reports: list[dict[str, Any]] = []
 
 

@@ -78,6 +78,20 @@ def current_worker() -> str:
         raise NotOnGPUWorker("current_worker() was called outside a task running on a worker") from None
 
 
+def current_worker_name() -> str:
+    """The name of the Dask worker the running body was placed on (`dask-gpu-worker --name`; its address if it has none).
+
+    What logs should say: a worker restarted by its nanny keeps its name, not its address.
+    """
+    name = os.environ.get("DASK_GPU_WORKER_NAME")
+    if name:
+        return name
+    try:
+        return str(get_worker().name)
+    except ValueError:
+        raise NotOnGPUWorker("current_worker_name() was called outside a task running on a worker") from None
+
+
 def gpu_env(devices: Sequence[GPUDevice] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a subprocess that must see exactly `devices` (default: the current ones)."""
     devices = current_devices() if devices is None else devices

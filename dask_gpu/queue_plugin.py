@@ -431,14 +431,16 @@ class GPUQueuePlugin(SchedulerPlugin):
         return preempted_for
 
     def status(self, runs: bool = False) -> dict[str, Any]:
-        """Counts, free GPUs per worker, tenant weights, preemptions so far; with `runs`, every run: those
-        running, then those queued in the order the policy would serve them now."""
+        """Counts, free GPUs per worker (by address; `names` maps each to its worker's name), tenant weights,
+        preemptions so far; with `runs`, every run: those running, then those queued in the order the policy
+        would serve them now."""
         out: dict[str, Any] = {"queued": self.policy.waiting(), "running": len(self.running) + len(self.fractions),
                                "free": dict(zip(self.addresses, self.state.free)),
                                "fractions": len(self.fractions),
                                "devices": {a: {d.key: ("whole" if d.whole is not None else round(d.share / _UNITS, 6))
                                                for d in ds} for a, ds in self.devices.items()},
-                               "weights": dict(getattr(self.policy, "weights", {})), "preempted": self.preemptions}
+                               "weights": dict(getattr(self.policy, "weights", {})), "preempted": self.preemptions,
+                               "names": {a: str(ws.name) for a, ws in self.scheduler.workers.items()}}  # what people read
         if runs:
             now = time.time()
             order = getattr(self.policy, "order", None)

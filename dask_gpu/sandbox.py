@@ -32,7 +32,7 @@ from distributed.utils import sync
 from distributed.worker import thread_state
 from pydantic import BaseModel, ConfigDict
 
-from dask_gpu.child import WORKER_ENV
+from dask_gpu.child import WORKER_ENV, WORKER_NAME_ENV
 from dask_gpu.execute import DeviceRun, gpu_env, hold_devices
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
 from dask_gpu.errors import DaskGPUError, DeviceUnavailable
@@ -195,7 +195,7 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
 def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, devices: tuple[Any, ...],
                address: str, sock: Any, pid: int, rendezvous: dict[str, str]) -> dict[str, Any]:
     stop = plugin.stop_event(key)
-    env = {**body.env, **rendezvous, WORKER_ENV: address}
+    env = {**body.env, **rendezvous, WORKER_ENV: address, WORKER_NAME_ENV: plugin.worker_name}
     if devices:
         env.update({k: v for k, v in gpu_env(devices, base={}).items()})
     try:

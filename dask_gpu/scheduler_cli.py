@@ -10,7 +10,14 @@ later starts reuse them. It preloads `dask_gpu.scheduler_preload`: a task
 whose worker dies fails at once (allowed-failures 0), the ticket registry
 (each admission ticket runs once cluster-wide) and the cluster's queue.
 `--no-tls` runs plain TCP, for a network where every process that can reach
-the scheduler is trusted. Every other option is `dask scheduler`'s own.
+the scheduler is trusted.
+
+It listens where it is told and nowhere else: without `--host` (or
+`--interface`) on 127.0.0.1 only (`--host 0.0.0.0` for other hosts to reach
+it), and its HTTP server (the dashboard with bokeh installed, and /health,
+with or without `--no-dashboard`) on 127.0.0.1:8787 unless
+`--dashboard-address` says otherwise. `dask scheduler` would take every
+interface for both. Every other option is `dask scheduler`'s own.
 """
 
 from __future__ import annotations
@@ -20,6 +27,21 @@ import sys
 from dask_gpu.worker_cli import take_option
 
 PRELOAD = "dask_gpu.scheduler_preload"
+DASHBOARD = "127.0.0.1:8787"
+"""Where the scheduler's HTTP server listens unless --dashboard-address says: it has no authentication."""
+
+
+def listen_defaults(args: list[str]) -> list[str]:
+    """`--host 127.0.0.1` and `--dashboard-address 127.0.0.1:8787` where neither (nor `--interface`) was given."""
+    def given(*names: str) -> bool:
+        return any(a == n or a.startswith(n + "=") for a in args for n in names)
+
+    out = list(args)
+    if not given("--host", "--interface"):
+        out += ["--host", "127.0.0.1"]
+    if not given("--dashboard-address"):
+        out += ["--dashboard-address", DASHBOARD]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     from distributed.cli.dask_scheduler import main as dask_scheduler
 
-    dask_scheduler.main(args=[*args, "--preload", PRELOAD], prog_name=prog)
+    dask_scheduler.main(args=[*listen_defaults(args), "--preload", PRELOAD], prog_name=prog)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,7 +7,11 @@
 `--trust-key` (repeatable; DASK_GPU_TRUSTED_KEYS) is the control plane's public
 key, as `aisched serve` prints it: the worker runs only bodies whose ticket it
 signed. `--tls-dir` is a directory with the cluster's `ca.pem`, `cluster.pem`
-and `cluster.key` (what `dask-gpu-scheduler --tls-dir` writes).
+and `cluster.key` (what `dask-gpu-scheduler --tls-dir` writes). Without
+`--host` (or `--listen-address`, `--interface`) the worker, its nanny and their
+HTTP servers listen only on this host's address that reaches the scheduler
+(127.0.0.1 for a scheduler on this machine), not on every interface as `dask
+worker` does.
 
 The tenant boundary (dask_gpu.isolation; dask config `dask-gpu.isolation.*`):
 
@@ -90,6 +94,31 @@ def isolation_options(args: list[str], prog: str) -> dict[str, str]:
     return given
 
 
+def listen_defaults(args: list[str]) -> list[str]:
+    """`--host` and `--dashboard-address` for a worker given neither: the address of this host that reaches the
+    scheduler (so a one-machine cluster listens on 127.0.0.1 only), instead of Dask's every interface.
+
+    That address is the one Dask advertises anyway (its route to the scheduler), so nothing else changes. The
+    arguments are parsed by `dask worker`'s own parser, so every option keeps its meaning.
+    """
+    from click.core import ParameterSource
+    from distributed.cli.dask_worker import main as dask_worker
+
+    ctx = dask_worker.make_context("dask-gpu-worker", list(args), resilient_parsing=True)
+    given = {name for name in ("host", "listen_address", "interface", "dashboard_address")
+             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE}
+    host = ctx.params.get("host")
+    if not given & {"host", "listen_address", "interface"} and ctx.params.get("scheduler"):
+        from distributed.comm import get_address_host
+        from distributed.utils import get_ip
+
+        host = get_ip(get_address_host(ctx.params["scheduler"]))
+        args = [*args, "--host", host]
+    if host and "dashboard_address" not in given:  # Dask's ':0' is every interface, with or without a dashboard
+        args = [*args, "--dashboard-address", f"{host}:0"]
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     prog = "dask-gpu-worker"
     args = list(sys.argv[1:] if argv is None else argv)
@@ -118,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     if tls_dir:
         files = tls_files(tls_dir[0], "cluster", prog)
         args += ["--tls-ca-file", files["ca"], "--tls-cert", files["cert"], "--tls-key", files["key"]]
+    args = listen_defaults(args)
     from distributed.cli.dask_worker import main as dask_worker
 
     dask_worker.main(args=[*args, "--preload", PRELOAD, "--preload-nanny", NANNY_PRELOAD], prog_name=prog)

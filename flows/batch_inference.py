@@ -34,7 +34,7 @@ from typing import Any
 from prefect import Task, flow, get_run_logger, task, unmapped
 from prefect.context import FlowRunContext
 
-from aisched_prefect import ai_task, current_devices, current_worker
+from aisched_prefect import ai_task, current_devices, current_worker_name
 from flows.common import ensure_example_blocks, example_runner
 
 PRINCIPAL = "examples/batch-inference"
@@ -54,7 +54,7 @@ def score_shard(shard: dict[str, Any], model: str, seconds: float) -> dict[str, 
     scores = [int(hashlib.sha256(f"{model}:{row}".encode()).hexdigest()[:8], 16) % 1000 / 1000 for row in shard["rows"]]
     time.sleep(seconds)  # the model's forward passes
     return {"shard": shard["shard"], "rows": len(scores), "mean_score": sum(scores) / len(scores),
-            "worker": current_worker(), "device": device.key, "gpu_type": device.gpu_type,
+            "worker": current_worker_name(), "device": device.key, "gpu_type": device.gpu_type,
             "started": started, "ended": time.time()}
 
 

@@ -23,7 +23,7 @@ from aisched_prefect import (
     Ledger,
     ai_task,
     current_devices,
-    current_worker,
+    current_worker_name,
     evidence_rows,
     run_subprocess,
     task_logger,
@@ -36,7 +36,7 @@ DECLARED = os.environ.get("DASK_GPU_DECLARED", "2 workers x 2 GPUs, 80 GB, H100"
 
 def where() -> dict:
     """What this task holds, as the task itself sees it (it runs in its own process on its worker)."""
-    return {"worker": current_worker(), "devices": [d.index for d in current_devices()], "pid": os.getpid()}
+    return {"worker": current_worker_name(), "devices": [d.index for d in current_devices()], "pid": os.getpid()}
 
 
 @task

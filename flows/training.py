@@ -48,7 +48,7 @@ from typing import Any
 from prefect import Task, flow, get_run_logger, task
 from prefect.context import FlowRunContext
 
-from aisched_prefect import AdmissionDenied, ai_task, current_devices, current_worker, run_subprocess, task_logger
+from aisched_prefect import AdmissionDenied, ai_task, current_devices, current_worker_name, run_subprocess, task_logger
 from dask_gpu import checkpoint
 from flows.common import ensure_example_blocks, example_runner, examples_home
 
@@ -60,7 +60,7 @@ SECONDS_PER_EPOCH = 60  # what the budget hold assumes; the fake epochs take 0.2
 
 def _where() -> dict[str, Any]:
     """The worker and devices this AI task holds, as the task itself sees them."""
-    return {"worker": current_worker(), "devices": [d.key for d in current_devices()]}
+    return {"worker": current_worker_name(), "devices": [d.key for d in current_devices()]}
 
 
 @task

@@ -177,7 +177,7 @@ def test_cli_reject_the_hook_and_events(control_plane, tmp_path):
     bob = tokenfile(tmp_path, control_plane.approver("bob", t.authority))
     said = aisched("reject", view.id, "--reason", "looked at it", "--control-plane", control_plane.url,
                    "--token-file", bob)
-    assert "status rejected" in said
+    assert f"rejected {view.id}: the run will not start and its hold is released" in said
     assert g.outcome().startswith("denied: denied at approval: bob rejected the run: looked at it")
     assert len(asked) == 1 and asked[0].id == view.id and asked[0].rule == RULE and len(asked[0].digest) == 64
     assert asked[0].url == view.url

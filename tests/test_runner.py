@@ -85,7 +85,7 @@ def test_nightly_places_on_gpus_and_leaves_evidence(control_plane):
     assert sorted(kinds_by_task(records).values()) == [["admission", "settlement"]] * 5
     rows = evidence_rows(records)
     train_row = next(r for r in rows if r["task"] == "train")
-    assert train_row["worker"] == t_worker and train_row["grant"] == "team-a-root"
+    assert train_row["address"] == t_worker and train_row["grant"] == "team-a-root"
     assert 0 < train_row["charged"] <= train_row["reserved"]
     (account,) = accounts_of(control_plane, t)
     assert account["pending"] == 0 and account["posted"] == pytest.approx(sum(r["charged"] for r in rows), abs=1e-5)

@@ -122,8 +122,8 @@ def test_bad_options_name_the_option_and_the_fix(sqlite_url, monkeypatch, tmp_pa
     assert parse_when("2026-01-31", "--until", end=True).isoformat() == "2026-02-01T00:00:00+00:00"
     with pytest.raises(InvalidReportOption, match=r"--since '2026-02-01T00:00:00\+00:00': must be before --until"):
         build_report(Ledger(sqlite_url), since=parse_when("2026-02-01", "--since"), until=parse_when("2026-01-01", "--until"))
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the bench extra were not installed
-    with pytest.raises(PlotUnavailable, match=r"pip install -e '\.\[bench\]'"):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the report extra were not installed
+    with pytest.raises(PlotUnavailable, match=r"pip install '\.\[report\]'"):
         plot_spend([], "tenant", str(tmp_path / "x.png"))
 
 
@@ -139,9 +139,9 @@ def test_cli_bad_options_name_the_option_and_the_fix(sqlite_url, monkeypatch, tm
     assert bad_date.exit_code == 2 and "--since" in bad_date.output and "YYYY-MM-DD" in bad_date.output
     backwards = cli.invoke(app, ["report", "--ledger", sqlite_url, "--since", "2026-02-01", "--until", "2026-01-01"])
     assert backwards.exit_code == 2 and "--until" in backwards.output
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the bench extra were not installed
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the report extra were not installed
     no_plot = cli.invoke(app, ["report", "--ledger", sqlite_url, "--plot", str(tmp_path / "x.png")])
-    assert no_plot.exit_code == 1 and "pip install -e '.[bench]'" in no_plot.output
+    assert no_plot.exit_code == 1 and "pip install '.[report]'" in no_plot.output
 
 
 def test_a_run_settled_twice_counts_both_and_an_expired_run_counts_its_top_ups(sqlite_url):

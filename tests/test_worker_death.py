@@ -267,8 +267,8 @@ def on_l40s() -> list[str]:
 
 
 def test_feasibility_follows_a_worker_joining(tmp_path):
-    """A request no worker can hold is denied at once, naming the largest worker; once a host that can hold it
-    joins the cluster, the same request runs there."""
+    """A request no worker can hold is denied at once, naming the GPU type no worker has and what the cluster has;
+    once a host that can hold it joins the cluster, the same request runs there."""
     from aisched_prefect import AdmissionDenied
     from tests.helpers import budget
 
@@ -292,7 +292,7 @@ def test_feasibility_follows_a_worker_joining(tmp_path):
             return first, on_l40s()
 
         (stage, message), types = f()
-        assert stage == "feasibility" and "largest worker h100-host has 2 x H100 80 GB" in message
+        assert stage == "feasibility" and "no worker has GPU type 'L40S' (the cluster has: H100 x2)" in message
         assert types == ["L40S"]
     finally:
         cluster.close()

@@ -44,6 +44,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
     from aisched_prefect.settings import settings
 
     config = settings()
+    _log_to_stderr()
     sock = _listen(host, port)
     listen_url = f"http://{host}:{sock.getsockname()[1]}"
     base_url = (public_url or listen_url).rstrip("/")  # what approval links point people at
@@ -59,14 +60,15 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
             token_file = config.home / "operator.token"
             if plane.bootstrap_operator(token_file) is not None:
                 info["operator_token_file"] = str(token_file)
-        server = uvicorn.Server(uvicorn.Config(build_app(plane), log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
-                                               timeout_keep_alive=30))
+        grace = config.stop_seconds
+        server = _uvicorn_server(uvicorn.Config(build_app(plane), log_level="warning", lifespan="off", timeout_keep_alive=30,
+                                        timeout_graceful_shutdown=grace))  # type: ignore[arg-type]
 
-        def _stop(*_: Any) -> None:
+        def _stop(*_: Any) -> None:  # uvicorn's own handler (_Server.handle_exit) has the signal while it serves
             server.should_exit = True
 
-        signal.signal(signal.SIGTERM, _stop)
         if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _stop)
             signal.signal(signal.SIGINT, _stop)
         started = threading.Event()
 
@@ -82,7 +84,61 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
         threading.Thread(target=_announce, daemon=True).start()
         server.run(sockets=[sock])
     finally:
-        plane.close()
+        _close_within(plane, config.stop_seconds)
+    _exit_now()  # stopped by a signal, everything closed: the interpreter's own exit would join pools for seconds
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
+
+
+def _uvicorn_server(config: Any) -> Any:
+    """uvicorn's server, saying in the log that it stops and why; a second signal exits at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            name = signal.Signals(sig).name
+            if self.should_exit:
+                logger.warning("aisched serve: %s again: exiting now", name)
+                os._exit(128 + sig)
+            logger.warning("aisched serve: %s: stopping; open requests get %.1f s, then the Dask client and the "
+                           "ledger close", name, config.timeout_graceful_shutdown)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def _close_within(plane: Any, seconds: float) -> None:
+    """Close the plane (Dask client, chores, ledger); past `seconds`, log what is left and go on to exit.
+
+    Nothing is lost by not waiting: every decision is already a committed row, and a run in flight is settled by
+    whichever replica (or restart) takes it over.
+    """
+    done = threading.Event()
+
+    def _close() -> None:
+        try:
+            plane.close()
+        except Exception:  # the process is exiting: say so, do not mask the reason it stops
+            logger.exception("aisched serve: closing failed")
+        finally:
+            done.set()
+
+    threading.Thread(target=_close, name="aisched-close", daemon=True).start()
+    if done.wait(seconds):
+        logger.warning("aisched serve: stopped")
+        return
+    logger.warning("aisched serve: stopped (closing had not finished within %.1f s; exiting without waiting)", seconds)
+    _exit_now()  # the interpreter would otherwise wait on the Dask client's threads
+
+
+def _log_to_stderr() -> None:
+    """Warnings and errors on stderr (where its ready line's reader is not), also under `aisched serve`."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _bootstrap_embedded(plane: Any, spec: dict[str, Any]) -> str:

@@ -22,14 +22,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.serialization import (
-    Encoding,
-    NoEncryption,
-    PrivateFormat,
-    load_pem_private_key,
-)
-
 from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
 from aisched_prefect.control.approvals import ApprovalBook, ApprovalError
@@ -38,6 +30,7 @@ from aisched_prefect.control.calls import CallBook, CallTakenOver, call_key
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
 from aisched_prefect.control.dispatch import BodyParts, Dispatcher, denied, emit_budget_alert
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
+from aisched_prefect.control.keys import load_or_make_key, write_private  # noqa: F401 - where callers look
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
 from aisched_prefect.control.watcher import Watcher
 from aisched_prefect.errors import (
@@ -113,29 +106,6 @@ class Unauthorized(AISchedError):
     def __init__(self, message: str, status: int = 401) -> None:
         self.status = status
         super().__init__(message)
-
-
-def write_private(path: Path, data: bytes, *, force: bool = False) -> None:
-    """Write a secret readable by its owner only (0600); never replace one unless told to."""
-    if path.exists() and not force:
-        raise FileExistsError(f"{path} exists: pass --force to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, 0o600)
-
-
-def load_or_make_key(path: Path) -> Ed25519PrivateKey:
-    """The control plane's signing key: made once, kept 0600; replicas share the file."""
-    if path.exists():
-        key = load_pem_private_key(path.read_bytes(), password=None)
-        if not isinstance(key, Ed25519PrivateKey):
-            raise AISchedError(f"{path} is not an Ed25519 private key. Fix: remove it to make a new one")
-        return key
-    key = Ed25519PrivateKey.generate()
-    write_private(path, key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
-    return key
 
 
 def role_fix(roles: tuple[str, ...]) -> str:

@@ -65,6 +65,16 @@ def configuration(snap: Snapshot, cred: Credential) -> Bound:
 def feasibility(request: AIRequest, inventories: dict[str, WorkerInventory]) -> tuple[list[str], list[str]]:
     """Stage 1: the workers that could ever hold the request, and the GPU types it could land on."""
     gpu_request = request.gpu_request()
+    have: dict[str, int] = {}
+    for inv in inventories.values():
+        for d in inv.devices:
+            have[d.gpu_type] = have.get(d.gpu_type, 0) + 1
+    if gpu_request.gpus and gpu_request.types and have and not set(gpu_request.types) & {t.upper() for t in have}:
+        wanted = " or ".join(repr(t) for t in gpu_request.types)
+        raise AdmissionDenied("feasibility", f"no worker has GPU type {wanted} (the cluster has: "
+                              f"{', '.join(f'{t} x{n}' for t, n in sorted(have.items()))})",
+                              f"ask for gpu_type one of {', '.join(sorted(have))} (or leave gpu_type out), "
+                              f"or add a worker with {wanted} GPUs")
     try:
         workers = eligible_workers(gpu_request, inventories)
     except InfeasibleRequest as exc:

@@ -1,0 +1,98 @@
+"""What an operator reads: where the cluster's processes listen by default, a GPU type no worker has, a rejection,
+and `aisched evidence show` keeping operators' records apart from task runs. Pure parts, no server."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from aisched_prefect.cli import app
+from aisched_prefect.errors import AdmissionDenied
+
+runner = CliRunner()
+
+
+def test_the_scheduler_listens_on_loopback_unless_told():
+    from dask_gpu.scheduler_cli import listen_defaults
+
+    assert listen_defaults(["--port", "8786"]) == ["--port", "8786", "--host", "127.0.0.1",
+                                                    "--dashboard-address", "127.0.0.1:8787"]
+    # Told: the scheduler host of a multi-host cluster; its dashboard (no login) stays on loopback unless told too.
+    assert listen_defaults(["--host", "0.0.0.0"]) == ["--host", "0.0.0.0", "--dashboard-address", "127.0.0.1:8787"]
+    assert listen_defaults(["--interface=eth0", "--dashboard-address", ":8787"]) == [
+        "--interface=eth0", "--dashboard-address", ":8787"]
+
+
+def test_a_worker_listens_on_its_address_that_reaches_the_scheduler_unless_told():
+    from dask_gpu.worker_cli import listen_defaults
+
+    got = listen_defaults(["tls://127.0.0.1:8786", "--name", "gpu-a", "--no-dashboard"])
+    assert got[-4:] == ["--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"], got
+    assert listen_defaults(["tls://127.0.0.1:8786", "--host", "10.0.0.5"])[-2:] == ["--dashboard-address", "10.0.0.5:0"]
+    told = ["tls://127.0.0.1:8786", "--listen-address", "tls://0.0.0.0:9000", "--dashboard-address", ":8788"]
+    assert listen_defaults(told) == told  # the operator's choice stands
+
+
+def _inventories(spec: str) -> dict:
+    from dask_gpu import declared_worker_inventories
+
+    return {f"gpu-{i}": inv for i, inv in enumerate(declared_worker_inventories(spec))}
+
+
+def test_a_gpu_type_no_worker_has_is_named_with_what_the_cluster_has():
+    from aisched_prefect.control.stages import feasibility
+    from aisched_prefect.request import AIRequest
+
+    cluster = _inventories("2 workers x 2 GPUs, 80 GB, H100; 1 worker x 1 GPU, 24 GB, A10")
+    with pytest.raises(AdmissionDenied) as denied:
+        feasibility(AIRequest(kind="training", gpus=1, gpu_type="B200", est_seconds=60), cluster)
+    assert denied.value.stage == "feasibility"
+    assert denied.value.reason == "no worker has GPU type 'B200' (the cluster has: A10 x1, H100 x4)"
+    assert "gpu_type one of A10, H100" in denied.value.fix and "add a worker with 'B200' GPUs" in denied.value.fix
+    # A type the cluster has, but more of it than any worker holds: the placement message, as before.
+    with pytest.raises(AdmissionDenied, match="fits no worker"):
+        feasibility(AIRequest(kind="training", gpus=2, gpu_type="A10", est_seconds=60), cluster)
+    workers, types = feasibility(AIRequest(kind="training", gpus=1, gpu_type=("b200", "a10"), est_seconds=60), cluster)
+    assert workers == ["gpu-2"] and types == ["A10"]
+
+
+def test_reject_says_the_run_will_not_start(monkeypatch):
+    import aisched_prefect.cli as cli
+
+    class Plane:
+        _token = "t"
+
+        def post(self, path, body):
+            assert path == "/v1/approvals/11/answer" and body["approve"] is False
+            return {"status": "rejected", "approved_by": []}
+
+    monkeypatch.setattr(cli, "_plane", lambda *a, **k: Plane())
+    out = runner.invoke(app, ["reject", "11", "--reason", "not tonight"])
+    assert out.exit_code == 0, out.output
+    assert "rejected 11: the run will not start and its hold is released" in out.output
+    assert "approved by" not in out.output
+
+
+def test_evidence_show_keeps_operators_records_apart_from_task_runs(sqlite_url):
+    from aisched_prefect.ledger import BudgetLine, Ledger
+
+    ledger = Ledger(sqlite_url)
+    ledger.record("credential-issued", {"credential": {"id": "c1", "principal": "team-a/nightly", "role": "flow",
+                                                       "tenant": "team-a", "authority": "team-a"}, "by": "operator"},
+                  principal="operator")
+    ledger.record("config-applied", {"kind": "budget", "name": "team-a", "version": 3, "digest": "ab" * 32,
+                                     "body": {}, "by": "operator"}, principal="operator")
+    holds, _ = ledger.reserve([BudgetLine(budget="team-a", period="2026-12", limit=5)], 1.0, kind="admission",
+                              payload={"task": "train", "request": {"kind": "training", "gpus": 2}, "grant": "root"},
+                              flow_run_id="f", task_run_id="t1", principal="team-a/nightly")
+    ledger.settle([h.id for h in holds], 0.5, kind="settlement", task_run_id="t1", flow_run_id="f",
+                  principal="team-a/nightly", payload={"task": "train", "outcome": "completed", "placement": {
+                      "worker": "tls://127.0.0.1:45181", "name": "gpu-a", "devices": ["0", "1"]}})
+    out = runner.invoke(app, ["evidence", "show", "--ledger", sqlite_url])
+    assert out.exit_code == 0, out.output
+    tasks, _, operators = out.output.partition("operators' records")
+    (row,) = [line for line in tasks.splitlines() if "│ train" in line]
+    assert "gpu-a" in row and "completed" in row and "tls://" not in tasks
+    assert "credential-issued" not in tasks and "│ ?" not in tasks  # no operator record as a task row
+    assert "flow credential c1 for team-a/nightly (tenant team-a; authority team-a)" in operators
+    assert "budget 'team-a' applied: version 3 (abababababab)" in operators
