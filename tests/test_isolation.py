@@ -207,10 +207,12 @@ def test_two_tenants_bodies_on_one_root_worker_cannot_reach_each_other_or_the_wo
     assert seen_by_b["writable_import_path"] == []
     # An environment with nothing of the worker's; only its own GPU node.
     assert set(seen_by_b["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PWD", "PYTHONPATH", "CUDA_DEVICE_ORDER",
-                                     "CUDA_VISIBLE_DEVICES", "DASK_GPU_WORKER", "MASTER_ADDR", "MASTER_PORT",
+                                     "CUDA_VISIBLE_DEVICES", "DASK_GPU_WORKER", "DASK_GPU_WORKER_NAME", "MASTER_ADDR",
+                                     "MASTER_PORT",
                                      "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES",
                                      "NPROC_PER_NODE", "GROUP_RANK", "ROLE_RANK"}, sorted(seen_by_b["env"])
-    assert not any("TRUSTED" in k or k.startswith(("DASK_", "AISCHED_")) for k in seen_by_b["env"] if k != "DASK_GPU_WORKER")
+    assert not any("TRUSTED" in k or k.startswith(("DASK_", "AISCHED_")) for k in seen_by_b["env"]
+                   if k not in ("DASK_GPU_WORKER", "DASK_GPU_WORKER_NAME"))  # where it runs: the run's own facts
     assert seen_by_a["dev"] == [f"nvidia{seen_by_a['visible']}", "nvidiactl"]
     assert seen_by_a["home"] == "/home/body"
     # Its working directory (and /tmp) went with it.
