@@ -20,7 +20,7 @@ import psutil
 import pytest
 from prefect import flow
 
-from aisched_prefect import ai_task
+from aisched_prefect import AISchedTaskRunner, ai_task
 from tests.helpers import tenant
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -138,3 +138,106 @@ def test_a_flow_process_killed_with_runs_waiting_leaves_the_queue_and_each_run_i
             assert all(s.get("charged", 0) == 0 for s in r.payload.get("settlements", [])), r.payload
     assert _wait_for(lambda: _queue(control_plane)["queued"] == 0 and _queue(control_plane)["running"] == 0 or None,
                      what="the queue empty")
+
+
+class CuttingProxy:
+    """A TCP proxy between a flow and the control plane whose `cut()` drops every open connection at once, as a
+    proxy's idle timeout or a network blip does."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.open: list = []
+        self.lock = threading.Lock()
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        import socket
+
+        with self.lock:
+            victims, self.open = self.open, []
+            self.cuts += 1
+        for s in victims:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.server.close()
+        self.cut()
+
+
+@ai_task(gpus=1, gpu_type="A10", kind="inference", est_seconds=30)
+def quick(i: int) -> int:
+    time.sleep(0.3)
+    return i + 1
+
+
+def test_connections_cut_while_runs_wait_lose_none_and_run_none_twice(control_plane):
+    """Every connection between the flow and the plane is cut, again and again, while runs wait and run: the flow
+    sends its requests again (idempotent by key) and re-polls from its last acknowledged outcome, so every run
+    completes once, with one admission and one settlement."""
+    n = 30
+    t = tenant(control_plane)
+    proxy = CuttingProxy(control_plane.url)
+    ids: list[str] = []
+    out: dict = {}
+
+    @flow(task_runner=AISchedTaskRunner(control_plane=proxy.url, credential=t.token))
+    def through_a_flaky_network() -> list[int]:
+        from prefect.context import FlowRunContext
+
+        ids.append(str(FlowRunContext.get().flow_run.id))
+        return [f.result() for f in quick.map(range(n))]
+
+    runner = threading.Thread(target=lambda: out.setdefault("result", through_a_flaky_network()))
+    runner.start()
+    try:
+        while runner.is_alive() and proxy.cuts < 6:
+            time.sleep(1.0)
+            proxy.cut()
+        runner.join(timeout=300)
+    finally:
+        proxy.close()
+    assert out["result"] == [i + 1 for i in range(n)]
+    assert proxy.cuts >= 2
+    records = control_plane.records(ids[0])
+    per_run: dict[str, list[str]] = {}
+    for r in records:
+        per_run.setdefault(r.task_run_id, []).append(r.kind)
+    assert len(per_run) == n
+    assert all(kinds == ["admission", "settlement"] for kinds in per_run.values()), per_run
