@@ -29,6 +29,19 @@ class ControlPlaneError(AISchedError):
         super().__init__(problem.get("error", f"HTTP {status}"))
 
 
+def raise_for_problem(resp: httpx.Response) -> None:
+    """An answer of 400 or more as the named error it is: the request's own (422), or the plane's refusal."""
+    if resp.status_code < 400:
+        return
+    try:
+        problem = resp.json()
+    except ValueError:
+        problem = {"error": resp.text or f"HTTP {resp.status_code}"}
+    if resp.status_code == 422:
+        raise InvalidAIRequest(problem.get("error", "invalid request"))
+    raise ControlPlaneError(resp.status_code, problem)
+
+
 class ControlPlaneClient:
     """Calls one of several replicas; a replica that does not answer is skipped (the call is retried, idempotently)."""
 
@@ -71,14 +84,7 @@ class ControlPlaneClient:
                     last = "busy on another replica"
                     break
                 self._preferred = k
-                if resp.status_code >= 400:
-                    try:
-                        problem = resp.json()
-                    except ValueError:
-                        problem = {"error": resp.text or f"HTTP {resp.status_code}"}
-                    if resp.status_code == 422:
-                        raise InvalidAIRequest(problem.get("error", "invalid request"))
-                    raise ControlPlaneError(resp.status_code, problem)
+                raise_for_problem(resp)
                 return resp
             if time.monotonic() > deadline:
                 raise ControlPlaneUnavailable(

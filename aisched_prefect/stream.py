@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from aisched_prefect.control.outcomes import result_digest
-from aisched_prefect.errors import AISchedError, InvalidAIRequest
+from aisched_prefect.errors import AISchedError
 from aisched_prefect.wire import FRAME, CallMeta, OutcomesOut, Reply, RunIn, RunsIn, frame, unframe
 
 logger = logging.getLogger("aisched_prefect")
@@ -282,7 +282,7 @@ class CallStream:
                     patience: float | None = None, **kw: Any) -> tuple[int, httpx.Response]:
         """One request to the first replica that answers (starting at `first`; `only`: that one alone), retried
         while none does (every request is idempotent); returns which replica answered."""
-        from aisched_prefect.client import ControlPlaneError, ControlPlaneUnavailable
+        from aisched_prefect.client import ControlPlaneUnavailable, raise_for_problem
 
         deadline = time.monotonic() + (self.retry_seconds if patience is None else patience)
         last: Exception | str | None = None
@@ -301,14 +301,7 @@ class CallStream:
                     last = f"HTTP {resp.status_code}"
                     continue
                 self._down.pop(k, None)
-                if resp.status_code >= 400:
-                    try:
-                        problem = resp.json()
-                    except ValueError:
-                        problem = {"error": resp.text or f"HTTP {resp.status_code}"}
-                    if resp.status_code == 422:
-                        raise InvalidAIRequest(problem.get("error", "invalid request"))
-                    raise ControlPlaneError(resp.status_code, problem)
+                raise_for_problem(resp)
                 return k, resp
             if time.monotonic() > deadline:
                 raise ControlPlaneUnavailable(
