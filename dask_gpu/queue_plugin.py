@@ -134,6 +134,7 @@ class GPUQueuePlugin(SchedulerPlugin):
         # units, GB, client)
         self.assigned: dict[int, list[tuple[str, list[str]]]] = {}  # running whole runs: (worker, device keys)
         self.fraction_runs: dict[int, tuple[Job, float, float]] = {}  # running fractions: (job, start, share)
+        self._dispatch_pending = False
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -398,7 +399,20 @@ class GPUQueuePlugin(SchedulerPlugin):
         self.answers.setdefault(job.id, asyncio.get_running_loop().create_future())
         self.waiters[job.id] = (client, job)
         self.policy.submit(job, self.state)
-        self._dispatch()
+        self._dispatch_soon()
+
+    def _dispatch_soon(self) -> None:
+        """One dispatch for a burst of entries (a .map() enters thousands in one stream batch): a pass over the
+        queue per entry would make a burst of N cost N passes of the scheduler's event loop."""
+        if self._dispatch_pending:
+            return
+        self._dispatch_pending = True
+
+        def run() -> None:
+            self._dispatch_pending = False
+            self._dispatch()
+
+        asyncio.get_running_loop().call_soon(run)
 
     async def wait(self, id: int) -> dict[str, Any] | None:
         """Where run `id` goes (see `place`), once the policy starts it; None if it left the queue first."""

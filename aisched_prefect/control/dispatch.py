@@ -45,6 +45,9 @@ from dask_gpu.sandbox import Body, Outcome, run_ticketed
 from dask_gpu.tickets import DIED_TOPIC, STATES_OP, WHERE_OP, Ticket, TicketRejected, TicketSigner
 
 logger = logging.getLogger("aisched_prefect.control")
+# A run handed to Dask whose key the scheduler still does not know after this long is lost (its worker took it
+# along unseen). Not sooner: a scheduler busy with a burst (a .map() of 10,000) may take seconds to see a submit.
+VANISHED_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -522,7 +525,8 @@ class Dispatcher:
             return
         for key, st in states.items():
             r = keys[key]
-            if (st is None and time.monotonic() - (r.dask_at or 0) > 5.0) or (st and st["state"] == "no-worker"):
+            vanished = st is None and time.monotonic() - (r.dask_at or 0) > VANISHED_SECONDS
+            if vanished or (st and st["state"] == "no-worker"):
                 where = self._where(r)
                 member = next((m for m in where.get("members", []) if m.get("key") == key), {})
                 r.lost = {"worker": member.get("worker"), "name": member.get("name"), "keys": [key],
