@@ -33,11 +33,12 @@ from aisched_prefect.wire import FRAME, CallMeta, OutcomesOut, Reply, RunIn, Run
 logger = logging.getLogger("aisched_prefect")
 
 BATCH_SECONDS = 0.005  # calls made this close together travel in one request (a .map())
-BATCH_CALLS = 1000
+BATCH_CALLS = 250  # a request's calls are admitted before it answers: small enough to answer in seconds
 BATCH_BYTES = 16 * 2**20
 POLL_WAIT_SECONDS = 20.0  # one long-poll, below a proxy's idle timeout
 FAILOVER_SECONDS = 3.0  # a replica's poll that fails this long sends its calls to another replica
 DOWN_SECONDS = 10.0  # a replica that failed is tried last for this long
+SUBMIT_READ_SECONDS = 300.0  # a busy plane may take minutes to admit a request's calls (10,000 shards at once)
 
 
 PREFECT_SLOTS = 32  # task engines talking to the Prefect API at once (a run waiting on the plane holds none)
@@ -252,7 +253,8 @@ class CallStream:
         body = frame(head.model_dump_json().encode(), b"".join(functions) + b"".join(a for _, _, a, _ in part))
         first, self._next = self._next, (self._next + 1) % len(self.urls)  # batches are spread over the replicas
         try:
-            k, resp = await self._send("POST", "/v1/runs", first=first, content=body, headers={"content-type": FRAME})
+            k, resp = await self._send("POST", "/v1/runs", first=first, content=body, headers={"content-type": FRAME},
+                                       timeout=httpx.Timeout(30.0, read=SUBMIT_READ_SECONDS))
             replies = [Reply.model_validate(r) for r in resp.json()["replies"]]
         except BaseException as exc:  # every call of the batch learns why
             for *_, fut in part:
