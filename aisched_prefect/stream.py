@@ -38,6 +38,7 @@ BATCH_BYTES = 16 * 2**20
 POLL_WAIT_SECONDS = 20.0  # one long-poll, below a proxy's idle timeout
 FAILOVER_SECONDS = 3.0  # a replica's poll that fails this long sends its calls to another replica
 DOWN_SECONDS = 10.0  # a replica that failed is tried last for this long
+SUBMITS_AT_ONCE = 4  # runs requests in flight per flow process (the rest wait their turn, not a connection)
 SUBMIT_READ_SECONDS = 300.0  # a busy plane may take minutes to admit a request's calls (10,000 shards at once)
 
 
@@ -169,12 +170,15 @@ class CallStream:
         self._pollers: dict[int, asyncio.Task[None]] = {}
         self._sent: dict[str, tuple[CallMeta, bytes, bytes]] = {}  # accepted, not ended: sent again on a takeover
         self._replica_at: dict[int, str] = {}  # replica -> the name it answered its last poll with
+        self._submits: asyncio.Semaphore | None = None
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=POLL_WAIT_SECONDS + 30.0),
+            # No pool timeout: a request waits for a connection as long as it takes (submits are bounded
+            # below, `SUBMITS_AT_ONCE`, so the long-polls always find one).
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=POLL_WAIT_SECONDS + 30.0, pool=None),
                                            headers={"authorization": f"Bearer {self._token}"},
-                                           limits=httpx.Limits(max_connections=8, max_keepalive_connections=4))
+                                           limits=httpx.Limits(max_connections=16, max_keepalive_connections=8))
         return self._http
 
     async def aclose(self) -> None:
@@ -252,9 +256,12 @@ class CallStream:
         head = RunsIn(session=self.session, functions=[len(f) for f in functions], calls=calls)
         body = frame(head.model_dump_json().encode(), b"".join(functions) + b"".join(a for _, _, a, _ in part))
         first, self._next = self._next, (self._next + 1) % len(self.urls)  # batches are spread over the replicas
+        if self._submits is None:
+            self._submits = asyncio.Semaphore(SUBMITS_AT_ONCE)
         try:
-            k, resp = await self._send("POST", "/v1/runs", first=first, content=body, headers={"content-type": FRAME},
-                                       timeout=httpx.Timeout(30.0, read=SUBMIT_READ_SECONDS))
+            async with self._submits:
+                k, resp = await self._send("POST", "/v1/runs", first=first, content=body, headers={"content-type": FRAME},
+                                           timeout=httpx.Timeout(30.0, read=SUBMIT_READ_SECONDS, pool=None))
             replies = [Reply.model_validate(r) for r in resp.json()["replies"]]
         except BaseException as exc:  # every call of the batch learns why
             for *_, fut in part:
