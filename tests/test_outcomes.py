@@ -48,6 +48,17 @@ def test_a_poll_is_bounded_in_bytes_but_always_makes_progress():
     assert [k.key for k in got] == ["a"]  # one result larger than the bound still goes alone
 
 
+def test_a_call_sent_again_finds_its_outcome_until_it_is_acknowledged():
+    book = OutcomeBook(lease_seconds=60)
+    book.expect("a", "s", "w")
+    assert book.holds("s", "a")  # pending
+    book.put("a", _reply("a"), b"A")
+    assert book.holds("s", "a")  # ended, not acknowledged: a re-sent submit re-attaches
+    got, _ = asyncio.run(book.take("s", "w", after=0, wait=0, max_bytes=2**20))
+    asyncio.run(book.take("s", "w", after=got[-1].seq, wait=0, max_bytes=2**20))
+    assert not book.holds("s", "a") and not book.holds("other", "a")
+
+
 def test_a_session_belongs_to_the_principal_that_opened_it():
     book = OutcomeBook(lease_seconds=60)
     book.expect("a", "s", "auth:team-a/p")

@@ -75,6 +75,13 @@ class OutcomeBook:
             s.pending.add(key)
             self._session_of[key] = session
 
+    def holds(self, session: str, key: str) -> bool:
+        """Whether `session` still has `key` coming (pending, or ended and not yet acknowledged): a submit of it
+        sent again (its first answer was cut) re-attaches to it instead of being told its result is lost."""
+        with self._lock:
+            s = self._sessions.get(session)
+            return s is not None and (key in s.pending or any(k.key == key for k in s.ready))
+
     def owns(self, session: str, who: str) -> bool:
         """Whether `session` is `who`'s (a session id another principal chose is refused)."""
         with self._lock:

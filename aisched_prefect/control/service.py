@@ -573,6 +573,8 @@ class ControlPlane:
                 self.outcomes.expect(key, session, _who(cred))  # a flow re-attaching to a run it already submitted
                 return Reply(status="accepted", key=key), b""
             raise Busy(f"this call is running on replica {row.replica}: wait for it (the client retries)")
+        if claim == "done" and session is not None and self.outcomes.holds(session, key):
+            return Reply(status="accepted", key=key), b""  # sent again after a cut: its outcome is on the stream
         if claim == "done":  # its reply was lost in transit: say so, never run it twice
             old = Reply.model_validate(row.reply)
             if old.status != "completed":
