@@ -61,3 +61,16 @@ def resume_when_paused(answer: dict[str, Any], *, flow_name: str | None = None, 
                     pass
             time.sleep(0.2)
     return None
+
+
+def wait_until(check: Any, timeout: float = 60.0, what: str = "") -> Any:
+    """Poll `check()` until it returns something true and return that; fail naming `what` after `timeout` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what or check.__doc__ or check}")

@@ -26,6 +26,7 @@ from dask_gpu.isolation import IsolationSettings, TenantRefused, can_isolate
 from dask_gpu.sandbox import Body, run_ticketed
 from dask_gpu.tickets import TicketSigner, digest
 from tests.clusterprocs import BIN, ClusterProcs
+from tests.helpers import wait_until
 
 UIDS = (23000, 23099)
 REQUEST = GPURequest(gpus=1, gpu_type="L4")
@@ -150,16 +151,6 @@ def submit(client, signer, tenant: str, fn, *args, worker: str = "iso", key: str
                          resources=REQUEST.resources(), pure=False, **({"key": key} if key else {}))
 
 
-def wait_for(what, seconds: float = 60.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = what()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
-
-
 def test_two_tenants_bodies_on_one_root_worker_cannot_reach_each_other_or_the_worker(cluster, signer):
     from dask_gpu.cluster import cluster_view, worker_addresses
 
@@ -178,7 +169,7 @@ def test_two_tenants_bodies_on_one_root_worker_cannot_reach_each_other_or_the_wo
             """tenant a's body to write its secret"""
             return next((p.parent for p in bodies.glob("*/secret.txt")), None)
 
-        a_dir = wait_for(a_started)
+        a_dir = wait_until(a_started)
         a_uid = a_dir.stat().st_uid
         a_pid = next(p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == a_uid)
         tls = cluster.tls
@@ -216,7 +207,7 @@ def test_two_tenants_bodies_on_one_root_worker_cannot_reach_each_other_or_the_wo
     assert seen_by_a["dev"] == [f"nvidia{seen_by_a['visible']}", "nvidiactl"]
     assert seen_by_a["home"] == "/home/body"
     # Its working directory (and /tmp) went with it.
-    wait_for(lambda: not a_dir.exists())
+    wait_until(lambda: not a_dir.exists())
 
 
 def test_a_worker_that_cannot_isolate_serves_only_the_tenant_it_was_started_for(cluster, signer):

@@ -21,7 +21,7 @@ import pytest
 from prefect import flow
 
 from aisched_prefect import AISchedTaskRunner, ai_task
-from tests.helpers import tenant
+from tests.helpers import tenant, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -40,16 +40,6 @@ def _queue(plane) -> dict:
     return plane.ok("GET", "/v1/queue")
 
 
-def _wait_for(check, timeout: float = 120.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_waiting_runs_hold_no_thread_on_either_side(control_plane, tmp_path):
     """WAITING runs wait in the queue behind one that holds the A10: neither the flow process nor the control plane
     grows a thread per waiting run (each grows by a handful at most), and every run then completes once."""
@@ -66,7 +56,8 @@ def test_waiting_runs_hold_no_thread_on_either_side(control_plane, tmp_path):
     runner = threading.Thread(target=lambda: out.setdefault("result", fan_out()))
     runner.start()
     try:
-        _wait_for(lambda: _queue(control_plane)["queued"] >= WAITING, what=f"{WAITING} runs waiting in the queue")
+        wait_until(lambda: _queue(control_plane)["queued"] >= WAITING, 120,
+                   what=f"{WAITING} runs waiting in the queue")
         during_plane, during_flow = plane.num_threads(), threading.active_count()
     finally:
         Path(flag).touch()
@@ -116,7 +107,7 @@ def test_a_flow_process_killed_with_runs_waiting_leaves_the_queue_and_each_run_i
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         flow_run_id = proc.stdout.readline().strip()
-        _wait_for(lambda: _queue(control_plane)["queued"] >= n - 2, what="the flow's runs waiting in the queue")
+        wait_until(lambda: _queue(control_plane)["queued"] >= n - 2, 120, what="the flow's runs waiting in the queue")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -127,7 +118,7 @@ def test_a_flow_process_killed_with_runs_waiting_leaves_the_queue_and_each_run_i
         ended = [r for r in records if r.kind == "settlement"]
         return (admitted, ended) if len(admitted) == n and len(ended) == n else None
 
-    admitted, ended = _wait_for(settled, timeout=180, what="every run settled after its flow process died")
+    admitted, ended = wait_until(settled, 180, what="every run settled after its flow process died")
     assert len({r.task_run_id for r in ended}) == n  # one settlement per run
     outcomes = [r.payload["outcome"] for r in ended]
     # Twelve 5 s runs, one at a time, outlast the session's lease: the last of them never started.
@@ -136,8 +127,8 @@ def test_a_flow_process_killed_with_runs_waiting_leaves_the_queue_and_each_run_i
     for r in ended:
         if r.payload["outcome"] == "abandoned-while-queued":
             assert all(s.get("charged", 0) == 0 for s in r.payload.get("settlements", [])), r.payload
-    assert _wait_for(lambda: _queue(control_plane)["queued"] == 0 and _queue(control_plane)["running"] == 0 or None,
-                     what="the queue empty")
+    assert wait_until(lambda: _queue(control_plane)["queued"] == 0 and _queue(control_plane)["running"] == 0 or None,
+                      120, what="the queue empty")
 
 
 class CuttingProxy:

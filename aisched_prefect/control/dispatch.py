@@ -354,11 +354,8 @@ class Dispatcher:
 
     def _execute_once(self, admission: Admission, body: Body) -> tuple[Reply, bytes]:
         request = admission.request
-        key = f"aisched-{admission.task_name}-{admission.task_run_id}-{uuid.uuid4().hex[:8]}"
-        state = Running(admission=admission, key=key, holds=list(admission.holds),
-                        covered_seconds=request.est_seconds, submitted=time.monotonic())
-        with self.lock:
-            self.running[key] = state
+        state = self._register(admission)
+        key = state.key
         workers = admission.workers
         gpu_request = request.gpu_request()
         try:
@@ -557,12 +554,8 @@ class Dispatcher:
         """The worker died mid-task: record it (the worker, the devices lost), charge what can have run (at most the
         hold), and list every attempt: the one that died and any re-run the ticket registry refused."""
         adm, lost = state.admission, exc.lost
-        started = state.dask_at if state.dask_at is not None else state.submitted
-        ran = time.monotonic() - started
+        ran, charges = self._charged_for_time(state)
         where = self._where(state)
-        held = held_by_account(state.holds)
-        cost = self.charges(adm, adm.priced_type, ran, None, state.holds)
-        charges = {b: min(v, held.get(b, 0.0)) for b, v in cost.items()}
         attempts = [{"attempt": 1, "outcome": "worker-died", "worker": lost.get("worker"), "name": lost.get("name"),
                      "devices": lost.get("devices", []), "seconds": ran, "members": where.get("members", [])}]
         attempts += [{"attempt": i, "outcome": "refused: its ticket was already used (Dask re-ran it by itself)",
@@ -584,6 +577,16 @@ class Dispatcher:
         return Reply(status="failed", admission=adm.id, error_type="dask_gpu.errors.WorkerDied",
                      error_message=message), cloudpickle.dumps(WorkerDied(message))
 
+    def _charged_for_time(self, state: Running) -> tuple[float, dict[str, float]]:
+        """A run whose outcome is unknown (its worker or the scheduler went away): how long it can have run since
+        its hand-over, and that time's charge per account, at most what each holds."""
+        adm = state.admission
+        started = state.dask_at if state.dask_at is not None else state.submitted
+        ran = time.monotonic() - started
+        held = held_by_account(state.holds)
+        cost = self.charges(adm, adm.priced_type, ran, None, state.holds)
+        return ran, {b: min(v, held.get(b, 0.0)) for b, v in cost.items()}
+
     def _scheduler_lost(self, state: Running, exc: BaseException) -> tuple[Reply, bytes]:
         """The Dask scheduler went away under a handed-over run: its outcome is unknown (its worker may even have
         finished it), so it is charged for the time it had, at most its hold, and its caller gets SchedulerLost,
@@ -591,11 +594,7 @@ class Dispatcher:
         from aisched_prefect.errors import SchedulerLost
 
         adm = state.admission
-        started = state.dask_at if state.dask_at is not None else state.submitted
-        ran = time.monotonic() - started
-        held = held_by_account(state.holds)
-        cost = self.charges(adm, adm.priced_type, ran, None, state.holds)
-        charges = {b: min(v, held.get(b, 0.0)) for b, v in cost.items()}
+        ran, charges = self._charged_for_time(state)
         address = getattr(getattr(self.client, "scheduler", None), "address", None) or "the Dask scheduler"
         message = (f"the Dask scheduler ({address}) was lost while this run was on the cluster "
                    f"({type(exc).__name__}); it was charged for at most {ran:.1f}s. Fix: retry it (retries=), and "
