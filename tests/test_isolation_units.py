@@ -111,3 +111,9 @@ def test_auto_does_not_pick_a_sandbox_this_host_cannot_make(tmp_path):
     assert plan.mode == "unisolated"
     if os.geteuid() == 0:
         assert "cannot make a sandbox on this host: bwrap: No permissions" in plan.why
+
+
+def test_the_examples_in_the_filesystem_docstrings_hold():
+    import doctest
+
+    assert doctest.testmod(filesystem).failed == 0

@@ -49,7 +49,8 @@ ETC_FILES = ("resolv.conf", "hosts", "nsswitch.conf", "passwd", "group", "ld.so.
 ZYGOTE_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE", "CAP_KILL")
 
 CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+PRIVATE_DIRS = ("/tmp", "/dev/shm")  # each body gets its own, empty
 
 
 def _libc() -> ctypes.CDLL:
@@ -148,6 +149,52 @@ def sandbox_argv(bwrap: str, *, read_only: Iterable[str], hide: Iterable[str], d
     return args + ["--chdir", "/"]
 
 
+def unescape_mountinfo(field: str) -> str:
+    r"""A path as /proc/self/mountinfo writes it, decoded (space, tab, newline and backslash are octal escapes).
+
+    >>> unescape_mountinfo(r"/tmp/a\040b")
+    '/tmp/a b'
+    """
+    import re
+
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts_under(roots: Iterable[str], mountinfo: str) -> list[str]:
+    """The outermost mount points strictly inside any of `roots`, in the order they were mounted.
+
+    >>> info = "1 0 0:1 / / rw - tmpfs x rw\\n2 1 0:2 / /tmp rw - tmpfs x rw\\n3 2 8:1 /v /tmp/c/.venv ro - ext4 /dev/vda rw\\n"
+    >>> info += "4 3 0:3 / /tmp/c/.venv/k rw - tmpfs x rw\\n"
+    >>> mounts_under(["/tmp", "/dev/shm"], info)
+    ['/tmp/c/.venv']
+    """
+    roots = [r.rstrip("/") for r in roots]
+    points = [unescape_mountinfo(line.split()[4]) for line in mountinfo.splitlines() if len(line.split()) > 4]
+    inside = [p for p in points if any(p.startswith(r + "/") for r in roots)]
+    return [p for p in dict.fromkeys(inside) if not any(q != p and p.startswith(q + "/") for q in inside)]
+
+
+def _private_dirs(uid: int, gid: int) -> None:
+    """A fresh tmpfs on each of PRIVATE_DIRS, with the sandbox's read-only binds under them (a checkout in /tmp) kept.
+
+    The binds are held open by O_PATH descriptors while the tmpfs covers them, then bound back (with what is mounted
+    inside them: the covers over the worker's local directory and TLS files) and made read-only again."""
+    with open("/proc/self/mountinfo") as f:
+        keep = mounts_under(PRIVATE_DIRS, f.read())
+    held = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in keep]
+    for d in PRIVATE_DIRS:  # NCCL and DataLoader use /dev/shm
+        mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}")
+    for path, fd in held:
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+        else:
+            open(path, "a").close()
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
+
+
 def enter_run(uid: int, gid: int, workdir: str, devices: Iterable[int]) -> None:
     """In a body's new process (root, PID 1 of its own PID namespace): its own mount namespace and views.
 
@@ -157,8 +204,7 @@ def enter_run(uid: int, gid: int, workdir: str, devices: Iterable[int]) -> None:
 
     unshare(CLONE_NEWNS)
     mount("none", "/", None, MS_REC | MS_PRIVATE)
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}")
-    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}")  # NCCL, DataLoader
+    _private_dirs(uid, gid)
     mount(workdir, HOME, None, MS_BIND)
     mount("tmpfs", BODIES, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0000,size=4k")
     keep_only(devices)
