@@ -402,9 +402,15 @@ class GPUQueuePlugin(SchedulerPlugin):
         self._dispatch_soon()
 
     def _dispatch_soon(self) -> None:
-        """One dispatch for a burst of entries (a .map() enters thousands in one stream batch): a pass over the
-        queue per entry would make a burst of N cost N passes of the scheduler's event loop."""
+        """One dispatch for a burst of entries or ends (a .map() enters thousands in one stream batch, and its
+        shards end many at a time): a pass over the queue per message would make a burst of N cost N passes of
+        the scheduler's event loop."""
         if self._dispatch_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a test driving the plugin by hand): at once
+            self._dispatch()
             return
         self._dispatch_pending = True
 
@@ -412,7 +418,7 @@ class GPUQueuePlugin(SchedulerPlugin):
             self._dispatch_pending = False
             self._dispatch()
 
-        asyncio.get_running_loop().call_soon(run)
+        loop.call_soon(run)
 
     async def wait(self, id: int) -> dict[str, Any] | None:
         """Where run `id` goes (see `place`), once the policy starts it; None if it left the queue first."""
@@ -441,7 +447,7 @@ class GPUQueuePlugin(SchedulerPlugin):
         elif id in self.fractions:
             self._end_fraction(id)
         self.specs.pop(id, None)
-        self._dispatch()
+        self._dispatch_soon()
         return preempted_for
 
     def status(self, runs: bool = False) -> dict[str, Any]:
@@ -497,10 +503,16 @@ class GPUQueuePlugin(SchedulerPlugin):
             return
         now = time.time()
         self._preempt(now)
-        for jid in [j for j in self.waiters if self.specs.get(j, Spec()).share]:  # a shared device made room
+        full: set[tuple[Spec, frozenset[int] | None]] = set()  # no shared device holds these: skip their like
+        for jid in [j for j, s in self.specs.items() if s.share and j in self.waiters]:  # a shared device made room
             client, job = self.waiters[jid]
-            fit = self._open_fit(self.specs[jid], job.hosts)
-            if fit is not None:
+            spec = self.specs[jid]
+            if (spec, job.hosts) in full:  # 10,000 waiting shards of one map: one look, not one each
+                continue
+            fit = self._open_fit(spec, job.hosts)
+            if fit is None:
+                full.add((spec, job.hosts))
+            else:
                 del self.waiters[jid]
                 self.policy.withdraw([job])
                 self._start_fraction(jid, client, fit[0], fit[1], self.specs.pop(jid), job)
