@@ -79,6 +79,7 @@ class Peaks:
     def __init__(self, plane_pid: int | None = None) -> None:
         self.plane_pid = plane_pid
         self.flow_threads = self.flow_rss = self.plane_threads = self.plane_rss = 0
+        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds so far): where a shard's cost goes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -95,6 +96,7 @@ class Peaks:
 
     def _run(self) -> None:
         me, plane = psutil.Process(), None
+        start = {p.pid: sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)]}
         while not self._stop.wait(0.2):
             self.flow_threads = max(self.flow_threads, me.num_threads())
             self.flow_rss = max(self.flow_rss, me.memory_info().rss)
@@ -105,6 +107,29 @@ class Peaks:
                     self.plane_rss = max(self.plane_rss, plane.memory_info().rss)
             except psutil.Error:
                 plane = None
+            self._sample_cpu(me, plane, start)
+
+    def _sample_cpu(self, me: psutil.Process, plane: psutil.Process | None, start: dict[int, float]) -> None:
+        procs = [me, *me.children(recursive=True)]
+        if plane is not None and plane.pid not in {p.pid for p in procs}:
+            procs += [plane, *plane.children(recursive=True)]
+        for p in procs:
+            try:
+                cmd = " ".join(p.cmdline())
+                t = p.cpu_times()
+                used = t.user + t.system + t.children_user + t.children_system  # bodies are short-lived children
+            except psutil.Error:
+                continue
+            role = ("flow" if p.pid == me.pid else "plane" if plane is not None and p.pid == plane.pid
+                    else "scheduler" if "scheduler" in cmd else "zygotes" if "zygote" in cmd
+                    else "prefect server" if "prefect" in cmd and "server" in cmd else "workers")
+            self.cpu[p.pid] = (role, used - start.get(p.pid, 0.0))
+
+    def cpu_by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for role, used in self.cpu.values():
+            out[role] = out.get(role, 0.0) + used
+        return out
 
     def __enter__(self) -> "Peaks":
         self._thread.start()
@@ -209,6 +234,10 @@ def print_rows(rows: list[dict[str, Any]], final: bool = False) -> None:
         print(f"  {r['runner']:32s} {r['n']:6d} shards {r['wall']:8.1f} s {1000 * r['wall'] / r['n']:7.2f} ms/shard"
               f"  flow: {p.flow_threads:4d} threads {p.flow_rss / 2**20:7.0f} MB"
               + (f"  plane: {p.plane_threads:4d} threads {p.plane_rss / 2**20:7.0f} MB" if p.plane_rss else ""))
+        cpu = p.cpu_by_role()
+        print("      CPU ms per shard: " + ", ".join(f"{role} {1000 * used / r['n']:.1f}"
+                                                     for role, used in sorted(cpu.items(), key=lambda x: -x[1]))
+              + f" (all {1000 * sum(cpu.values()) / r['n']:.1f}; Prefect server not counted where it is not ours)")
     ours = [r for r in rows if r["runner"].startswith("AISched")]
     base = {r["n"]: r for r in rows if r["runner"] == "ThreadPoolTaskRunner"}
     for r in ours:

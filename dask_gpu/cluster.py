@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed.deploy.spec import ProcessInterface
 from pydantic import BaseModel
 
 from dask_gpu.inventory import DECLARED_ENV, WorkerInventory, parse_declared
@@ -18,6 +24,61 @@ from dask_gpu.tickets import TRUSTED_KEYS_ENV
 PRELOAD = "dask_gpu.preload"
 NANNY_PRELOAD = "dask_gpu.nanny_preload"
 SCHEDULER_PRELOAD = "dask_gpu.scheduler_preload"
+
+
+class SchedulerProcess(ProcessInterface):
+    """The cluster's scheduler in a process of its own: `dask-gpu-scheduler`, as a GPU cluster runs it.
+
+    Why: inside the control plane's process the scheduler shares the GIL and the event loop with the plane's Dask
+    client, its HTTP server and its dispatch threads; a `.map()` of 10,000 shards kept that one loop so busy that
+    the client lost its own in-process scheduler. Its own process gives it its own loop and core, as in production.
+    It dies with the process that started it (PR_SET_PDEATHSIG), so a killed control plane leaves no scheduler.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", tls_dir: str | None = None, timeout: float = 60.0) -> None:
+        self.host, self.tls_dir, self.timeout = host, tls_dir, timeout
+        self.process: asyncio.subprocess.Process | None = None
+        self._dir = tempfile.mkdtemp(prefix="dask-gpu-scheduler-")
+        super().__init__()
+
+    async def start(self) -> None:
+        file, log = Path(self._dir, "scheduler.json"), Path(self._dir, "scheduler.log")
+        cmd = [sys.executable, "-m", "dask_gpu.scheduler_cli", "--host", self.host, "--port", "0",
+               "--dashboard-address", f"{self.host}:0", "--scheduler-file", str(file),
+               *(["--tls-dir", self.tls_dir] if self.tls_dir else ["--no-tls"])]
+        with open(log, "wb") as out:
+            self.process = await asyncio.create_subprocess_exec(*cmd, stdout=out, stderr=out,
+                                                                preexec_fn=_die_with_parent)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while self.process.returncode is None and loop.time() < deadline:
+            try:
+                self.address = json.loads(file.read_text())["address"]
+                break
+            except (OSError, ValueError, KeyError):
+                await asyncio.sleep(0.05)
+        else:
+            tail = log.read_text(errors="replace")[-2000:]
+            await self.close()
+            raise RuntimeError(f"the cluster's scheduler did not start within {self.timeout:.0f}s: {tail}")
+        await super().start()
+
+    async def close(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 30)
+            except asyncio.TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        await super().close()
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class LocalGPUCluster(SpecCluster):
@@ -37,6 +98,9 @@ class LocalGPUCluster(SpecCluster):
     cluster is one user's host (the embedded control plane, `make demo`), whose
     bodies share its files; `"auto"` isolates bodies where the workers run as
     root with bubblewrap, as `dask-gpu-worker` does on a GPU host.
+    `scheduler_process=True` runs the scheduler as `dask-gpu-scheduler` in a
+    process of its own (`SchedulerProcess`; the embedded control plane does);
+    by default it runs in this process, as Dask's LocalCluster's does.
     """
 
     def __init__(
@@ -49,6 +113,7 @@ class LocalGPUCluster(SpecCluster):
         trusted_keys: list[str] | None = None,
         tls: ClusterTLS | None = None,
         isolation: str | None = None,
+        scheduler_process: bool = False,
         **kwargs: Any,
     ) -> None:
         import dask
@@ -97,6 +162,12 @@ class LocalGPUCluster(SpecCluster):
                         "allowed_failures": allowed_failures, "preload": [SCHEDULER_PRELOAD],
                         **({"protocol": "tls", "security": tls.security("scheduler")} if tls is not None else {})},
         }
+        if scheduler_process:
+            if allowed_failures != 0:
+                raise ValueError("LocalGPUCluster(scheduler_process=True) runs dask-gpu-scheduler, whose "
+                                 "allowed_failures is 0: pass allowed_failures=0, or scheduler_process=False")
+            scheduler = {"cls": SchedulerProcess, "options": {
+                "host": host, "tls_dir": str(tls.directory) if tls is not None else None}}
         if tls is not None:  # this object talks to its scheduler as the one client (the control plane that made it)
             kwargs["security"] = tls.security("client")
         super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs, **kwargs)

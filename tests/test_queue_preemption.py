@@ -119,7 +119,8 @@ def test_a_tenant_takes_its_quota_back_from_preemptible_runs(own_cluster, tmp_pa
     (b_done,) = [x for x in b_records if x.kind == "settlement"]
     assert b_done.payload["outcome"] == "completed" and r.seq < b_done.seq  # stopped for b, before b ended
     finals = [x for x in settled if x.task_run_id == r.task_run_id and x.payload["outcome"] == "completed"]
-    assert len(finals) == 1 and finals[0].seq > b_done.seq  # queued again behind b, then completed
+    # queued again, then completed once: before or after b ends depends on when a's other runs free their GPUs
+    assert len(finals) == 1 and finals[0].seq > r.seq
     requeued = [x for x in a_records if x.kind == "admission" and x.payload.get("requeued")]
     assert [x.task_run_id for x in requeued] == [r.task_run_id]  # admitted again (authority, budget), a new hold
     ledger = plane.ledger()

@@ -60,6 +60,18 @@ task_runs = sa.Table(
 Claim = Literal["new", "takeover", "busy", "done"]
 
 
+def insert_new(conn: Any, table: sa.Table, values: dict[str, Any]) -> bool:
+    """Insert a row unless its key is taken (INSERT ... ON CONFLICT DO NOTHING); whether it was inserted.
+
+    No IntegrityError: inside a group commit an error would roll back every other write of the group."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    key = table.primary_key.columns[0]
+    return conn.execute(insert(table).values(values).on_conflict_do_nothing().returning(key)).first() is not None
+
+
 def call_key(who: str, task_run_id: str, attempt: int, admission: str | None = None) -> str:
     """The key a call is claimed and its reply stored under: the caller's identity (authority and principal, as
     `who`), then the task run, attempt and admission the flow sends. Another caller's key is never this one, so a
@@ -119,34 +131,23 @@ class CallBook:
         return owner
 
     def _first(self, table: sa.Table, column: Any, value: str, principal: str) -> str:
-        try:
-            with self.ledger.engine.begin() as conn:
-                conn.execute(table.insert().values({column.name: value, "principal": principal}))
+        """The principal of `value` in `table`: `principal`, if this call is the first to file it (group-committed
+        with other runs' writes: a .map()'s shards file thousands of them)."""
+        if self.ledger.write(lambda conn: insert_new(conn, table, {column.name: value, "principal": principal})):
             return principal
-        except sa.exc.IntegrityError:
-            with self.ledger.reader.connect() as conn:
-                return conn.execute(sa.select(table.c.principal).where(column == value)).scalar_one()
+        with self.ledger.reader.connect() as conn:
+            return conn.execute(sa.select(table.c.principal).where(column == value)).scalar_one()
 
     def _owner(self, flow_run_id: str, principal: str) -> str:
-        try:
-            with self.ledger.engine.begin() as conn:
-                conn.execute(flow_runs.insert().values(flow_run_id=flow_run_id, principal=principal))
-            return principal
-        except sa.exc.IntegrityError:
-            with self.ledger.reader.connect() as conn:
-                return conn.execute(sa.select(flow_runs.c.principal)
-                                    .where(flow_runs.c.flow_run_id == flow_run_id)).scalar_one()
+        return self._first(flow_runs, flow_runs.c.flow_run_id, flow_run_id, principal)
 
     def claim(self, key: str) -> tuple[Claim, Any]:
         """Own `key`: new, taken over from a dead replica, busy on a live one, or already done."""
         now = time.time()
-        try:
-            with self.ledger.engine.begin() as conn:
-                conn.execute(calls.insert().values(key=key, replica=self.replica, status="running", admission=None,
-                                                   reply=None, updated_at=now))
+        row = {"key": key, "replica": self.replica, "status": "running", "admission": None, "reply": None,
+               "updated_at": now}
+        if self.ledger.write(lambda conn: insert_new(conn, calls, row)):
             return "new", None
-        except sa.exc.IntegrityError:
-            pass
         with self.ledger.reader.connect() as conn:
             row = conn.execute(sa.select(calls).where(calls.c.key == key)).first()
         if row is None:  # removed meanwhile: try once more
@@ -175,9 +176,9 @@ class CallBook:
             raise CallTakenOver(f"call {key} was taken over by another replica")
 
     def done(self, key: str, reply: dict[str, Any]) -> None:
-        with self.ledger.engine.begin() as conn:
-            conn.execute(calls.update().where(calls.c.key == key)
-                         .values(status="done", reply=reply, updated_at=time.time()))
+        now = time.time()
+        self.ledger.write(lambda conn: conn.execute(calls.update().where(calls.c.key == key)
+                                                    .values(status="done", reply=reply, updated_at=now)))
 
     def release(self, key: str) -> None:
         """A claim whose call failed here: forgotten if nothing was decided (bad input), so the client may send it

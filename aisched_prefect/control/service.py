@@ -192,7 +192,9 @@ class ControlPlane:
                 self.client = Client(dask_address, set_as_default=False, security=security)
             else:
                 assert tls is not None
-                self.cluster = LocalGPUCluster(declared=declared, trusted_keys=[self.signer.public_key.hex()], tls=tls)
+                # Its scheduler in a process of its own: a busy .map() must not starve the plane's client's loop.
+                self.cluster = LocalGPUCluster(declared=declared, trusted_keys=[self.signer.public_key.hex()], tls=tls,
+                                               scheduler_process=True)
                 self._stack.callback(self.cluster.close)
                 self.client = Client(self.cluster.scheduler_address, set_as_default=False,
                                      security=tls.security("client"))

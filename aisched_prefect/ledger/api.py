@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy.engine import Connection
 
 from aisched_prefect.errors import InvalidLedgerInput
 from aisched_prefect.evidence import ChainReport, Checkpoint, EvidenceRecord
@@ -103,6 +104,15 @@ class Ledger:
         (after a deadlock, or another op's failure): it must do all its work through the batch.
         """
         return self._commits.write(op)
+
+    def write(self, op: Callable[[Connection], Any]) -> Any:
+        """Run `op(conn)` in the next group-committed write transaction and return its value.
+
+        For the control plane's tables beside the books (the call book): a run's bookkeeping then shares the
+        transactions of other runs' holds and settlements instead of taking the write lock once per row. The op
+        may run again (after a deadlock, or another op's failure) and should not raise for an expected outcome
+        (an insert that finds its row: `insert_new`), since that rolls the whole group back once."""
+        return self._write(lambda w: op(w.conn))
 
     @property
     def _write_lock(self) -> Any:
