@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-
-import httpx
+import http.client
+import time
+from urllib.parse import urlsplit
 
 from aisched_prefect.errors import ResultLost, ResultMismatch
 from aisched_prefect.wire import DirectResult
 
 ATTEMPTS = 3  # a fetch cut before its bytes arrived is tried again (the worker keeps a result it could not send)
 RETRY_SECONDS = 0.5
-TIMEOUT = httpx.Timeout(10.0, read=60.0)
+TIMEOUT_SECONDS = 60.0  # per connect, read or write
 FIX_LOST = ("Fix: the run completed and was charged, but its result is gone: retry the task (retries= on the "
             "@ai_task); if the flow process cannot reach the GPU workers' result listeners, an operator turns direct "
             "results off (DASK_DASK_GPU__RESULTS__ENABLED=false on the workers) so results travel through the control "
@@ -59,47 +60,38 @@ def checked(ref: DirectResult, data: bytes, task: str) -> bytes:
 
 
 async def fetch_result(ref: DirectResult, task: str, attempts: int = ATTEMPTS) -> bytes:
-    """The bytes of a result kept on its worker, checked against the recorded digest before they are returned."""
-    last = ""
-    async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as http:
-        for attempt in range(attempts):
-            if attempt:
-                await asyncio.sleep(RETRY_SECONDS * attempt)
-            try:
-                resp = await http.get(_url(ref))
-            except httpx.HTTPError as exc:  # refused, cut, timed out: the worker put back what it did not send
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if resp.status_code == 404:
-                raise _lost(ref, task, "HTTP 404: the worker holds no such result: already fetched, expired, or the "
-                                       "worker restarted")
-            if resp.status_code != 200:
-                last = f"HTTP {resp.status_code}"
-                continue
-            data = resp.content
-            return await asyncio.to_thread(checked, ref, data, task)  # hashing 100 MB: not on the flow's loop
-    raise _lost(ref, task, last or "no answer")
+    """The bytes of a result kept on its worker, checked against the recorded digest before they are returned.
+
+    In a thread of its own, not on the flow's event loop (where every waiting run of the flow process is)."""
+    return await asyncio.to_thread(fetch_result_sync, ref, task, attempts)
 
 
 def fetch_result_sync(ref: DirectResult, task: str, attempts: int = ATTEMPTS) -> bytes:
-    """`fetch_result`, for a blocking caller (`ControlPlaneClient.call`)."""
-    last = ""
-    with httpx.Client(timeout=TIMEOUT, trust_env=False) as http:
-        for attempt in range(attempts):
-            if attempt:
-                import time
+    """One GET with the stdlib's HTTP client, read straight into one buffer of the announced size.
 
-                time.sleep(RETRY_SECONDS * attempt)
-            try:
-                resp = http.get(_url(ref))
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if resp.status_code == 404:
+    Why not httpx (what talks to the control plane): it reads a large body in small chunks through its parser; for
+    100 MB from a worker process on this 2-core machine it took 1.2-2.2 s (sync or async) where this takes 0.3-0.5 s.
+    No proxy is consulted: the token goes to the worker and nowhere else."""
+    where = urlsplit(ref.url)
+    last = ""
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(RETRY_SECONDS * attempt)
+        conn = http.client.HTTPConnection(where.hostname or "", where.port, timeout=TIMEOUT_SECONDS)
+        try:
+            conn.request("GET", f"/results/{ref.token}")
+            resp = conn.getresponse()
+            if resp.status == 404:
                 raise _lost(ref, task, "HTTP 404: the worker holds no such result: already fetched, expired, or the "
                                        "worker restarted")
-            if resp.status_code != 200:
-                last = f"HTTP {resp.status_code}"
+            if resp.status != 200:
+                last = f"HTTP {resp.status}"
                 continue
-            return checked(ref, resp.content, task)
+            data = resp.read()  # the announced length, or IncompleteRead
+        except (OSError, http.client.HTTPException) as exc:  # refused, cut, timed out: the worker put it back
+            last = f"{type(exc).__name__}: {exc}"
+            continue
+        finally:
+            conn.close()
+        return checked(ref, data, task)
     raise _lost(ref, task, last or "no answer")

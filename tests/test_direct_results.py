@@ -110,7 +110,7 @@ def test_a_fetch_from_a_worker_that_is_gone_is_a_lost_result():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ref = DirectResult(url=f"http://127.0.0.1:{port}", token="t" * 43, digest="0" * 64, size=1, expires_at=0.0)
-    with pytest.raises(ResultLost, match="could not be fetched from its worker.*ConnectError.*Fix: .*retry the task"):
+    with pytest.raises(ResultLost, match="could not be fetched from its worker.*ConnectionRefusedError.*Fix: .*retry the task"):
         asyncio.run(direct.fetch_result(ref, "big", attempts=2))
     with pytest.raises(ResultLost):
         direct.fetch_result_sync(ref, "big", attempts=1)
