@@ -103,7 +103,12 @@ class ControlPlaneClient:
         resp = self._send("POST", "/v1/calls", rotate=True, retry_seconds=max(self.retry_seconds, 120.0),
                           content=frame(meta.model_dump_json().encode(), blob), headers={"content-type": FRAME})
         head, out = unframe(resp.content)
-        return Reply.model_validate_json(head), out
+        reply = Reply.model_validate_json(head)
+        if reply.status == "completed" and reply.result_ref is not None:  # kept on its worker: fetched from there
+            from aisched_prefect.direct import fetch_result_sync
+
+            out = fetch_result_sync(reply.result_ref, meta.task_name)
+        return reply, out
 
     def approval(self, approval_id: str, wait: float = 0.0) -> ApprovalView:
         return ApprovalView.model_validate(self.get(f"/v1/approvals/{approval_id}", params={"wait": wait}))

@@ -52,6 +52,14 @@ class InvalidUsage(AISchedError, ValueError):
     """A task reported usage that cannot be right (negative tokens or cost)."""
 
 
+class ResultMismatch(AISchedError):
+    """A result's bytes are not the ones the control plane recorded: they were not unpickled."""
+
+
+class ResultLost(AISchedError):
+    """A completed run's result, kept on its worker, could not be fetched (used, expired, worker gone, unreachable)."""
+
+
 class SchedulerLost(AISchedError):
     """The Dask scheduler went away while a run ran: its outcome is unknown, it was charged for the time it had."""
 

@@ -9,7 +9,9 @@ within a few milliseconds of each other go to the control plane as one request
 one long-poll (`GET /v1/outcomes`) per flow process, acknowledged by sequence
 number so a cut connection or a proxy's idle timeout loses none and delivers
 none twice. A result's bytes are checked against the digest the control plane
-recorded before anything unpickles them.
+recorded before anything unpickles them; a large result is not on the stream at
+all: the reply names where its worker keeps it, and the bytes are fetched from
+there (aisched_prefect.direct).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any
 import httpx
 
 from aisched_prefect.control.outcomes import result_digest
-from aisched_prefect.errors import AISchedError
+from aisched_prefect.direct import fetch_result
+from aisched_prefect.errors import AISchedError, ResultMismatch  # noqa: F401 - ResultMismatch: its old home
 from aisched_prefect.wire import FRAME, CallMeta, OutcomesOut, Reply, RunIn, RunsIn, frame, unframe
 
 logger = logging.getLogger("aisched_prefect")
@@ -64,10 +67,6 @@ class EngineSlot:
         if self.held:
             self.held = False
             self.slots.release()
-
-
-class ResultMismatch(AISchedError):
-    """A result's bytes are not the ones the control plane recorded: they were not unpickled."""
 
 
 class LoopThread:
@@ -198,9 +197,12 @@ class CallStream:
             return reply, b""
         self._sent[reply.key] = (meta, fn_bytes, args_bytes)
         try:
-            return await self._outcome(reply.key)
+            reply, out = await self._outcome(reply.key)
         finally:
             self._sent.pop(reply.key, None)
+        if reply.status == "completed" and reply.result_ref is not None:  # kept on its worker: fetched from there
+            out = await fetch_result(reply.result_ref, meta.task_name)
+        return reply, out
 
     async def _accept(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> Reply:
         loop = asyncio.get_running_loop()
@@ -382,7 +384,8 @@ class CallStream:
         await asyncio.gather(*(again(key, *item) for key, item in sent.items()))
 
     def _deliver(self, key: str, reply: Reply, out: bytes) -> None:
-        if reply.status == "completed" and reply.result_digest and result_digest(out) != reply.result_digest:
+        if (reply.status == "completed" and reply.result_digest and reply.result_ref is None
+                and result_digest(out) != reply.result_digest):
             reply = reply.model_copy(update={
                 "status": "failed", "error_type": "aisched_prefect.stream.ResultMismatch",
                 "error_message": "the result's bytes differ from the digest the control plane recorded: not loaded"})

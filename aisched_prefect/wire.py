@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FRAME = "application/x-aisched-frame"
 _LEN = struct.Struct(">I")
@@ -84,6 +84,19 @@ class ApprovalView(BaseModel):
     describe: str = ""
 
 
+class DirectResult(BaseModel):
+    """A result its worker kept (dask_gpu.results): the flow fetches it there, once, with the token, and checks its
+    bytes against `digest` (the one the control plane recorded in the settlement) before it unpickles them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(max_length=300, pattern=r"^https?://[^/?#\s]+$")  # the worker's listener: {url}/results/{token}
+    token: str = Field(min_length=32, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+    expires_at: float
+
+
 class Reply(BaseModel):
     """How a call ended, or why it is waiting."""
 
@@ -91,6 +104,7 @@ class Reply(BaseModel):
     admission: str | None = None
     key: str = ""  # the call's key at the control plane: its outcome arrives under it
     result_digest: str = ""  # sha256 of the result's bytes: checked before they are unpickled
+    result_ref: DirectResult | None = None  # a completed call's large result: on its worker, not in this reply
     stage: str | None = None
     reason: str = ""
     fix: str = ""
@@ -101,6 +115,12 @@ class Reply(BaseModel):
     logs: list[tuple[int, str]] = []
     placement: dict[str, Any] = {}
     charged: dict[str, float] = {}
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> Reply:
+        if self.result_ref is not None and self.result_digest != self.result_ref.digest:
+            raise ValueError("result_digest must be the digest of result_ref (the one the settlement recorded)")
+        return self
 
 
 class RunIn(BaseModel):

@@ -210,6 +210,7 @@ class WorkerView(BaseModel):
     usage: dict[str, tuple[float, float]]  # device key -> (share in use, GB reserved)
     isolation: str = ""  # "isolated", "unisolated" or "shared" (dask_gpu.isolation); "": an older worker
     isolation_detail: str = ""  # the worker's one line about it, as it logged at start
+    results: str = ""  # where it serves the large results it keeps (dask_gpu.results); "": it keeps none
 
     def free(self) -> dict[str, float]:
         """Device key -> share of it still free."""
@@ -223,7 +224,8 @@ def cluster_view(client: Client) -> list[WorkerView]:
         if isinstance(answer, dict) and "inventory" in answer:
             out.append(WorkerView(name=answer["name"] or address, address=address, inventory=answer["inventory"],
                                   held=answer["held"], usage=answer["usage"], isolation=answer.get("isolation", ""),
-                                  isolation_detail=answer.get("isolation_detail", "")))
+                                  isolation_detail=answer.get("isolation_detail", ""),
+                                  results=answer.get("results", "")))
     return sorted(out, key=lambda w: w.name)
 
 

@@ -1,5 +1,5 @@
-"""The worker plugin that owns a worker's inventory, its device allocator, its trusted keys, its isolation mode and
-its tenants' zygotes."""
+"""The worker plugin that owns a worker's inventory, its device allocator, its trusted keys, its isolation mode,
+its tenants' zygotes and the large results it keeps until their caller fetches them (dask_gpu.results)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dask_gpu.allocator import DeviceAllocator
 from dask_gpu.inventory import WorkerInventory
 from dask_gpu.isolation import IsolationPlan, TenantGate, plan_for
 from dask_gpu.live import DeviceState, sample
+from dask_gpu.results import DirectResults
 from dask_gpu.zygote import Zygote
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         self._started: dict[str, float] = {}  # key -> monotonic time it got its devices
         self._leases: dict[str, float] = {}  # key -> monotonic deadline; past it the body is killed
         self._stops_lock = threading.Lock()
+        self.results: DirectResults | None = None  # started at setup unless dask config dask-gpu.results says off
 
     def stop_event(self, key: str) -> threading.Event:
         """The event that asks task `key` to stop; it may be set before the task starts."""
@@ -153,6 +155,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         self.worker_name = str(worker.name)
         self._worker = worker
         self._isolate(worker)
+        self._start_results(worker)
         assert self.isolation is not None
         logger.info("GPU worker %s isolation: %s", worker.name, self.isolation.describe())
         # The control plane reaches workers through the scheduler's broadcast: no out-of-band code, no log line per call.
@@ -167,7 +170,25 @@ class GPUWorkerPlugin(WorkerPlugin):
             logger.warning("GPU worker %s trusts no control-plane key: it will refuse every AI task. Fix: start it "
                            "with --trust-key KEY (the key `aisched serve` prints) or DASK_GPU_TRUSTED_KEYS", worker.name)
 
+    def _start_results(self, worker: Worker) -> None:
+        """The listener large results are fetched from, on the worker's own host (port chosen now)."""
+        from distributed.comm import get_address_host
+
+        from dask_gpu import results
+
+        try:
+            host = get_address_host(worker.address)
+        except Exception:  # an address with no host (inproc): results go back as the task's value
+            host = ""
+        self.results = results.start(host)
+        if self.results is not None:
+            logger.info("GPU worker %s keeps results of %d bytes or more for their caller at %s", worker.name,
+                        self.results.settings.min_bytes, self.results.base_url)
+
     def teardown(self, worker: Worker) -> None:
+        if self.results is not None:
+            self.results.close()
+            self.results = None
         with self._zygotes_lock:
             zygotes, self._zygotes = list(self._zygotes.values()), {}
         for zygote in zygotes:
@@ -188,4 +209,5 @@ class GPUWorkerPlugin(WorkerPlugin):
         plan = self.isolation
         return {"name": self.worker_name, "inventory": self.inventory.model_dump(mode="json"),
                 "held": self.allocator.holders(), "usage": self.allocator.usage(),
-                "isolation": plan.mode if plan else "", "isolation_detail": plan.describe() if plan else ""}
+                "isolation": plan.mode if plan else "", "isolation_detail": plan.describe() if plan else "",
+                "results": self.results.base_url if self.results else ""}

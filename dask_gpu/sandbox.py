@@ -17,7 +17,9 @@
    renewed in time (the control plane is gone: fail closed), and says why.
 
 The body and its result stay bytes here: the worker and the control plane
-never unpickle what a flow sent.
+never unpickle what a flow sent. A large result does not even travel as the
+task's value: the worker keeps it (dask_gpu.results) and the outcome carries
+its digest, size and a one-time reference its caller fetches it with.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dask_gpu.execute import DeviceRun, gpu_env, hold_devices
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
 from dask_gpu.errors import DaskGPUError, DeviceUnavailable
 from dask_gpu.gang import free_port, members_env
+from dask_gpu.results import ResultRef
 from dask_gpu.tickets import MEET_OP, PLACED_TOPIC, REDEEM_OP, Ticket, TicketRejected, digest, verify_signature
 from dask_gpu.zygote import kill_group, recv_msg, send_msg, wait_readable
 
@@ -45,12 +48,14 @@ GANG_MEET_SECONDS = 120.0  # how long a gang member holding its devices waits fo
 
 
 class Outcome(BaseModel):
-    """How one body ended, and where it ran. `value` and `error` are pickled bytes nobody here opens."""
+    """How one body ended, and where it ran. `value` and `error` are pickled bytes nobody here opens; a large value
+    stays on its worker and `result` says where (then `value` is empty)."""
 
     model_config = ConfigDict(frozen=True)
 
     ok: bool
     value: bytes = b""
+    result: ResultRef | None = None
     error: bytes = b""
     error_type: str = ""
     error_message: str = ""
@@ -219,7 +224,11 @@ def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, de
     finally:
         sock.close()
     if meta["ok"]:
-        return {"ok": True, "value": blob, "logs": meta.get("logs", []), "reports": meta.get("reports", [])}
+        # Member 0's value is the run's (a gang's other values are dropped by the plane): only it may stay here.
+        kept = plugin.results.hold(blob, ticket.expires_at - ticket.issued_at) if plugin.results and not body.member \
+            else None
+        return {"ok": True, "value": b"" if kept else blob, "result": kept, "logs": meta.get("logs", []),
+                "reports": meta.get("reports", [])}
     return {"ok": False, "error": blob, "error_type": meta.get("error_type", ""),
             "error_message": meta.get("error_message", ""), "error_text": meta.get("error_text", ""),
             "logs": meta.get("logs", []), "reports": meta.get("reports", [])}

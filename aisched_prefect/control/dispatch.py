@@ -29,7 +29,7 @@ from distributed import Client, Future, KilledWorker
 
 from aisched_prefect.control import stages
 from aisched_prefect.control.admission import Admission, Admitter
-from aisched_prefect.control.outcomes import result_digest
+from aisched_prefect.control.outcomes import direct_reply, result_evidence
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.errors import AdmissionDenied, InvalidUsage
 from aisched_prefect.ledger import BudgetAlert, Hold, Ledger
@@ -667,7 +667,7 @@ class Dispatcher:
             "gpu_seconds": run.seconds * len(run.devices), "covered_seconds": state.covered_seconds,
             "top_ups": len(state.holds) - len(adm.holds), "usage": usage.model_dump() if usage else None,
             "charges": charges, **({"preempted_for": state.preempted_for} if stopped == "preempted" else {}),
-            **({"result_digest": result_digest(out.value)} if out.ok else {})})
+            **(result_evidence(out.value, out.result) if out.ok else {})})
         if stopped == "preempted":
             logger.warning("AI task %s was preempted after %.1fs to give tenant %r its quota back; charged for that "
                            "and queued again", adm.task_name, run.seconds, state.preempted_for)
@@ -688,7 +688,7 @@ class Dispatcher:
         if not out.ok:
             return Reply(status="failed", error_type=out.error_type, error_message=out.error_message,
                          error_text=out.error_text, **common), out.error
-        return Reply(status="completed", **common), out.value
+        return Reply(status="completed", **direct_reply(out.result), **common), out.value
 
     # -- the cluster's queue ----------------------------------------------------------------
     def _queue_args(self, state: Running) -> dict[str, Any]:

@@ -11,6 +11,10 @@ cluster's queue is taken out (`on_abandoned`), and its runs that already run
 finish and are settled as usual.
 
 Blocking callers (`POST /v1/calls`, one call per request) wait on `wait_one`.
+
+A large result never comes through here: its worker keeps it (dask_gpu.results),
+the settlement records its digest and size (`result_evidence`), and the reply
+carries the reference the flow fetches it with (`direct_reply`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aisched_prefect.wire import Reply
+from aisched_prefect.wire import DirectResult, Reply
 
 
 @dataclass
@@ -50,6 +54,25 @@ def result_digest(out: bytes) -> str:
     'e3b0c44298fc'
     """
     return hashlib.sha256(out).hexdigest()
+
+
+def result_evidence(value: bytes, kept: Any = None) -> dict[str, Any]:
+    """What a completed run's settlement records of its result: its digest, its size and which way it travels
+    (`kept`: the worker's `ResultRef`, whose bytes the control plane never sees); never the token that fetches it.
+
+    >>> result_evidence(b"abc")["result_bytes"]
+    3
+    """
+    if kept is not None:
+        return {"result_digest": kept.digest, "result_bytes": kept.size, "result_via": "worker"}
+    return {"result_digest": result_digest(value), "result_bytes": len(value), "result_via": "control-plane"}
+
+
+def direct_reply(kept: Any) -> dict[str, Any]:
+    """The fields of a completed reply whose result stays on its worker (none for a result sent inline)."""
+    if kept is None:
+        return {}
+    return {"result_digest": kept.digest, "result_ref": DirectResult.model_validate(kept.model_dump())}
 
 
 class OutcomeBook:

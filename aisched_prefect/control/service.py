@@ -636,7 +636,7 @@ class ControlPlane:
             with self._flight_lock:
                 runs, held = self._in_flight.get(credential, (1, size))
                 self._in_flight[credential] = (max(runs - 1, 0), max(held - size, 0))
-        reply = reply.model_copy(update={"key": key, "result_digest": result_digest(out) if out else ""})
+        reply = reply.model_copy(update={"key": key, "result_digest": result_digest(out) if out else reply.result_digest})
         try:
             self.calls.done(key, reply.model_dump(mode="json"))
         except Exception:  # the outcome still reaches its caller; the call book is retried by a takeover

@@ -1,0 +1,239 @@
+"""Large results stay on their worker until the caller fetches them: a bounded store and a small HTTP listener.
+
+Why: a result sent back as the Dask task's value travels worker -> the client
+that submitted it (the control plane) -> whoever asked for it, and is copied at
+each hop. A result of at least `min_bytes` is kept here instead, in the worker
+process's memory (never a file a body could read), and the task's value carries
+a reference (`ResultRef`): its sha256, its size, where to fetch it and a one-time
+token (`secrets.token_urlsafe(32)`, 256 bits). `GET /results/<token>` on the
+worker's listener returns the bytes once; a used, expired or unknown token is a
+404 (the store is keyed by the token's sha256: a lookup compares no secret byte
+by byte). What is kept is bounded in bytes; a result that does not fit goes back
+the usual way. Entries expire (by default after the ticket's TTL).
+
+Settings: dask config `dask-gpu.results.*` (`DASK_DASK_GPU__RESULTS__MIN_BYTES=...`).
+
+>>> store = ResultStore(max_bytes=10)
+>>> token = store.put(b"abc", ttl=60)
+>>> store.claim(token) == b"abc", store.claim(token)
+(True, None)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dask_gpu.errors import DaskGPUError
+
+CONFIG_KEY = "dask-gpu.results"
+PATH = "/results/"
+logger = logging.getLogger("distributed.dask_gpu")
+
+
+class ResultsError(DaskGPUError):
+    """The direct-results settings are malformed."""
+
+
+class ResultSettings(BaseModel):
+    """What the operator sets (dask config `dask-gpu.results`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    enabled: bool = True  # off: every result goes back as the task's value (through the control plane)
+    min_bytes: int = Field(default=2**20, ge=1)  # a result at least this large stays on its worker
+    max_bytes: int = Field(default=4 * 2**30, ge=0)  # most bytes kept at once; a result that does not fit goes inline
+    ttl_seconds: float | None = Field(default=None, gt=0)  # how long a result waits (None: its ticket's TTL)
+    host: str | None = None  # where the listener binds and what its URL names (None: the worker's own host)
+    max_connections: int = Field(default=16, ge=1)  # fetches served at once; more are refused
+
+
+def settings_from_config() -> ResultSettings:
+    import dask
+
+    raw = dask.config.get(CONFIG_KEY, default={}) or {}
+    values = {str(k).replace("-", "_"): v for k, v in dict(raw).items() if v is not None}
+    if "host" in values:
+        values["host"] = str(values["host"])
+    try:
+        return ResultSettings(**values)
+    except ValidationError as exc:
+        what = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ResultsError(f"dask config {CONFIG_KEY} is malformed: {what}. Fix: e.g. "
+                           "DASK_DASK_GPU__RESULTS__MIN_BYTES=1048576, DASK_DASK_GPU__RESULTS__ENABLED=false") from None
+
+
+class ResultRef(BaseModel):
+    """Where a result kept on its worker is fetched once: the task's value in its place."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str  # the worker's listener, http://HOST:PORT (the token is not part of it: the URL may be recorded)
+    token: str  # fetch at {url}/results/{token}
+    digest: str  # sha256 of the bytes, hex
+    size: int
+    expires_at: float  # wall clock
+
+
+def _key(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class ResultStore:
+    """Bytes by token: bounded in bytes, each entry taken once or dropped when it expires."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[bytes, float]] = {}  # sha256(token) -> (bytes, monotonic deadline)
+        self._bytes = 0
+
+    def put(self, data: bytes, ttl: float) -> str | None:
+        """Keep `data` for `ttl` seconds; its token, or None when it does not fit (the caller sends it inline)."""
+        token = secrets.token_urlsafe(32)
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            if self._bytes + len(data) > self.max_bytes:
+                return None
+            self._held[_key(token)] = (data, now + ttl)
+            self._bytes += len(data)
+        return token
+
+    def claim(self, token: str) -> bytes | None:
+        """The bytes of `token`, taken out of the store (a second claim finds nothing); None if unknown or expired."""
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            got = self._held.pop(_key(token), None)
+            if got is None:
+                return None
+            self._bytes -= len(got[0])
+            return got[0]
+
+    def restore(self, token: str, data: bytes, ttl: float) -> None:
+        """Put back what a fetch claimed but could not send (the connection broke): the caller may ask again."""
+        with self._lock:
+            self._held[_key(token)] = (data, time.monotonic() + ttl)
+            self._bytes += len(data)
+
+    def _expire(self, now: float) -> None:
+        for k in [k for k, (_, deadline) in self._held.items() if deadline < now]:
+            self._bytes -= len(self._held.pop(k)[0])
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            self._expire(time.monotonic())
+            return {"results": len(self._held), "bytes": self._bytes}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.0"  # one fetch per connection: an idle kept-alive connection holds no slot
+    timeout = 10  # per read or write: a client that sends no request, or stops reading, is dropped
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        token = self.path[len(PATH):] if self.path.startswith(PATH) else ""
+        data = self.server.store.claim(token) if 0 < len(token) <= 128 else None
+        if data is None:
+            self._answer(404, b"no such result (unknown, already fetched, or expired)\n")
+            return
+        try:
+            self.send_response(200)
+            self.send_header("content-type", "application/octet-stream")
+            self.send_header("content-length", str(len(data)))
+            self.send_header("cache-control", "no-store")
+            self.end_headers()
+            self.wfile.write(memoryview(data))
+            self.wfile.flush()
+        except OSError:  # not sent: it stays fetchable a while
+            self.server.store.restore(token, data, self.server.retry_seconds)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._answer(405, b"GET only\n")
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_POST  # noqa: N815
+
+    def _answer(self, status: int, text: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", "text/plain")
+        self.send_header("content-length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - never log a path: it holds a token
+        pass
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    store: ResultStore
+    retry_seconds: float = 60.0
+
+    def __init__(self, address: tuple[str, int], store: ResultStore, max_connections: int) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.store = store
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # a flood of connections costs no thread each
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class DirectResults:
+    """A worker's store and listener for results kept until their caller fetches them."""
+
+    def __init__(self, settings: ResultSettings, host: str) -> None:
+        self.settings = settings
+        self.store = ResultStore(settings.max_bytes)
+        self._server = _Server((settings.host or host, 0), self.store, settings.max_connections)
+        port = self._server.server_address[1]
+        name = settings.host or host
+        self.base_url = f"http://[{name}]:{port}" if ":" in name else f"http://{name}:{port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="dask-gpu-results", daemon=True)
+        self._thread.start()
+
+    def hold(self, data: bytes, ttl: float) -> ResultRef | None:
+        """A reference to `data`, kept here for `ttl` s (the settings' TTL, if set); None: send it inline (small,
+        or the store is full)."""
+        if len(data) < self.settings.min_bytes:
+            return None
+        ttl = self.settings.ttl_seconds or ttl
+        digest = hashlib.sha256(data).hexdigest()
+        token = self.store.put(data, ttl)
+        if token is None:
+            logger.warning("a %d-byte result goes back through the control plane: this worker already keeps %s bytes "
+                           "of results (dask-gpu.results.max-bytes=%d)", len(data), self.store.stats()["bytes"],
+                           self.settings.max_bytes)
+            return None
+        return ResultRef(url=self.base_url, token=token, digest=digest, size=len(data),
+                         expires_at=time.time() + ttl)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def start(host: str, settings: ResultSettings | None = None) -> DirectResults | None:
+    """The worker's direct results, or None where they are off (or the worker has no host to listen on)."""
+    settings = settings or settings_from_config()
+    if not settings.enabled or not (settings.host or host):
+        return None
+    return DirectResults(settings, host)
