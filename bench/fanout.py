@@ -12,6 +12,7 @@ the smallest.
 
     .venv/bin/python bench/fanout.py --sizes 1000 10000              # embedded control plane (the defaults)
     .venv/bin/python bench/fanout.py --sizes 10000 --served          # `aisched serve`, its own scheduler, 2 workers
+    .venv/bin/python bench/fanout.py --prefect-database postgresql+asyncpg://postgres@127.0.0.1:5432/prefect_bench
 
 It starts its own Prefect server (`prefect server start` on 127.0.0.1) unless
 PREFECT_API_URL is set.
@@ -41,8 +42,10 @@ DECLARED = "2 workers x 2 GPUs, 80 GB, H100"
 
 
 @contextmanager
-def prefect_server():
-    """A Prefect server on 127.0.0.1 for the run (the SQLite test harness falls behind at 10,000 task runs)."""
+def prefect_server(database: str | None = None):
+    """A Prefect server on 127.0.0.1 for the run (the SQLite test harness falls behind at 10,000 task runs), on
+    `database` (a SQLAlchemy URL, `postgresql+asyncpg://...`) where given: a SQLite Prefect server answered 503
+    to a new flow run after the 1,000-shard runs here."""
     if os.environ.get("PREFECT_API_URL"):
         yield os.environ["PREFECT_API_URL"]
         return
@@ -52,7 +55,8 @@ def prefect_server():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     home = tempfile.mkdtemp(prefix="fanout-prefect-")
-    env = {**os.environ, "PREFECT_HOME": home}
+    env = {**os.environ, "PREFECT_HOME": home,
+           **({"PREFECT_API_DATABASE_CONNECTION_URL": database} if database else {})}
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
                              str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/api"
@@ -146,6 +150,8 @@ def main() -> None:
     parser.add_argument("--served", action="store_true", help="against `aisched serve` with its own scheduler and "
                         "two workers (else each flow run starts an embedded control plane)")
     parser.add_argument("--skip-threadpool", action="store_true")
+    parser.add_argument("--prefect-database", help="the Prefect server's database (a SQLAlchemy URL, e.g. "
+                        "postgresql+asyncpg://postgres@127.0.0.1:5432/prefect_bench); default: its SQLite")
     args = parser.parse_args()
     logging.getLogger("distributed").setLevel(logging.ERROR)
 
@@ -177,7 +183,7 @@ def main() -> None:
                                              max_gpus=1, max_cost_per_run=1.0)])
     budget = BudgetBlock(limit=1_000_000, gpu_hour_prices={"*": 1.0})
     rows: list[dict[str, Any]] = []
-    with prefect_server():
+    with prefect_server(args.prefect_database):
         plane = cluster = None
         if args.served:
             from bench.overhead import external_cluster

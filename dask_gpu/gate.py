@@ -78,7 +78,7 @@ SCHEDULER_OPS: dict[str, frozenset[str]] = _table(PLANE, """
 # What a worker sends on its batched stream to the scheduler (Scheduler.worker_handlers, work stealing).
 SCHEDULER_WORKER_STREAM = frozenset("""
     task-finished task-erred release-worker-data add-keys long-running reschedule keep-alive log-event
-    worker-status-change request-refresh-who-has steal-response
+    worker-status-change request-refresh-who-has steal-response gpu-queue-freed
 """.split())
 # What the control plane sends on its client stream (Scheduler.client_handlers, the extensions', the plugins').
 SCHEDULER_CLIENT_STREAM = frozenset("""

@@ -92,6 +92,15 @@ class GPUWorkerPlugin(WorkerPlugin):
         with self._stops_lock:
             self._leases.pop(key, None)
 
+    def devices_freed(self, queue_key: str) -> None:
+        """Tell the cluster's queue (from a task's thread) that the body of its run `queue_key` ended here."""
+        from dask_gpu.queue_plugin import FREED_STREAM_OP
+
+        worker = getattr(self, "_worker", None)
+        stream = getattr(worker, "batched_stream", None)
+        if stream is not None:
+            worker.loop.add_callback(stream.send, {"op": FREED_STREAM_OP, "id": queue_key})
+
     def forget(self, key: str) -> None:
         with self._stops_lock:
             self._stops.pop(key, None)

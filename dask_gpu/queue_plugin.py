@@ -60,6 +60,7 @@ PLUGIN_NAME = "dask-gpu-queue"
 LEAVE_STREAM_OP = "gpu-queue-leave"  # a run ended: sent on the client's batched stream, no round trip
 ENTER_STREAM_OP = "gpu-queue-enter"  # queue a run: on the client's batched stream, no connection held while it waits
 PLACED_STREAM_OP = "gpu-queue-placed"  # to the client, on its stream: where a run entered with ENTER_STREAM_OP goes
+FREED_STREAM_OP = "gpu-queue-freed"  # from the worker a run is placed on, on its stream: the body ended, its devices are free
 _UNITS = 1_000_000  # shares of a device in millionths: no float drift
 LEARN_SECONDS = 5.0  # how long a run waits for the plugin to learn a new worker's devices
 
@@ -145,10 +146,26 @@ class GPUQueuePlugin(SchedulerPlugin):
         if hasattr(scheduler, "stream_handlers"):
             scheduler.stream_handlers[LEAVE_STREAM_OP] = self._leave_stream
             scheduler.stream_handlers[ENTER_STREAM_OP] = self._enter_stream
+            scheduler.stream_handlers[FREED_STREAM_OP] = self._freed_stream
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
 
     def _leave_stream(self, id: str, client: str | None = None, **kwargs: Any) -> None:
+        self.leave(id)
+
+    def _freed_stream(self, id: str, worker: str | None = None, **kwargs: Any) -> None:
+        """The worker a one-host run is placed on says its body ended: its devices go to the next run now, not after
+        the control plane has fetched the result and left (a round trip or two later). Only that worker's word
+        counts (a worker cannot free another's run); the client's own leave, later, finds nothing left to do."""
+        jid = self.keys.get(id)
+        if worker is None or jid is None or jid in self.preempted:
+            return
+        if jid in self.running:
+            run = self.running[jid][0]
+            if len(run.hosts) != 1 or self.addresses[run.host] != worker:
+                return
+        elif jid not in self.fractions or self.fractions[jid][0] != worker:
+            return
         self.leave(id)
 
     def _enter_stream(self, key: str, client: str | None = None, **kwargs: Any) -> None:

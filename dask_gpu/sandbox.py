@@ -77,6 +77,7 @@ class Body(BaseModel):
     env: dict[str, str] = {}
     member: int = 0  # gang runs: which member this is (0 .. hosts-1)
     devices: list[str] | None = None  # the device keys the cluster's queue chose for it (None: the worker chooses)
+    queue_key: str | None = None  # its key in the cluster's queue: told the devices are free the moment the body ends
 
 
 def _plugin() -> tuple[Any, GPUWorkerPlugin]:
@@ -194,6 +195,8 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
     finally:
         plugin.release_identity(uid)
     sock.close()
+    if body.queue_key:  # the next run may have these devices now, not once the control plane has fetched this result
+        plugin.devices_freed(body.queue_key)
     return Outcome(run=lease.run(), member=body.member, **result)
 
 

@@ -456,8 +456,11 @@ class Dispatcher:
             state.ticket = self._ticket(state.admission, state.key,
                                         workers=place.workers if place is not None else workers)
             state.dask_at = time.monotonic()
+            # Its worker frees its place in the queue as its body ends; a preemptible run's leave must say whether
+            # the queue stopped it, so the control plane keeps that one.
+            freed = state.queue_id if place is not None and not state.admission.request.preemptible else None
             return [self.client.submit(
-                run_ticketed, state.ticket, body.model_copy(update={"devices": devices}), key=state.key,
+                run_ticketed, state.ticket, body.model_copy(update={"devices": devices, "queue_key": freed}), key=state.key,
                 resources=gpu_request.resources() or None, workers=place.workers if place is not None else workers,
                 allow_other_workers=False, pure=False)]
         assert place is not None

@@ -86,6 +86,7 @@ class OutcomeBook:
         self._sessions: dict[str, _Session] = {}
         self._session_of: dict[str, str] = {}  # call key -> session
         self._blocking: dict[str, tuple[threading.Event, list[tuple[Reply, bytes]]]] = {}
+        self._closing = False
 
     # -- who waits --------------------------------------------------------------------------
     def expect(self, key: str, session: str | None, who: str) -> None:
@@ -167,12 +168,23 @@ class OutcomeBook:
                 if not out:
                     s.waiters.append((loop, event))
             left = deadline - time.monotonic()
-            if out or left <= 0:
+            if out or left <= 0 or self._closing:
                 return out, pending
             try:
                 await asyncio.wait_for(event.wait(), left)
             except asyncio.TimeoutError:
                 pass
+
+    def close(self) -> None:
+        """The plane is stopping: every long-poll answers now with what it has (the flow polls again, or another
+        replica), instead of being cut by the server's graceful-shutdown timeout mid-request."""
+        with self._lock:
+            self._closing = True
+            waiters = [w for s in self._sessions.values() for w in s.waiters]
+            for s in self._sessions.values():
+                s.waiters = []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
 
     # -- sessions that went away -----------------------------------------------------------------
     def expire(self) -> list[str]:

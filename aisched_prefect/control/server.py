@@ -62,10 +62,11 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
                 info["operator_token_file"] = str(token_file)
         grace = config.stop_seconds
         server = _uvicorn_server(uvicorn.Config(build_app(plane), log_level="warning", lifespan="off", timeout_keep_alive=30,
-                                        timeout_graceful_shutdown=grace))  # type: ignore[arg-type]
+                                        timeout_graceful_shutdown=grace), plane.outcomes.close)  # type: ignore[arg-type]
 
         def _stop(*_: Any) -> None:  # uvicorn's own handler (_Server.handle_exit) has the signal while it serves
             server.should_exit = True
+            plane.outcomes.close()
 
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _stop)
@@ -95,8 +96,9 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _uvicorn_server(config: Any) -> Any:
-    """uvicorn's server, saying in the log that it stops and why; a second signal exits at once."""
+def _uvicorn_server(config: Any, on_stop: Any = None) -> Any:
+    """uvicorn's server, saying in the log that it stops and why, and ending open long-polls (`on_stop`) so none is
+    cut mid-request; a second signal exits at once."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -107,6 +109,8 @@ def _uvicorn_server(config: Any) -> Any:
                 os._exit(128 + sig)
             logger.warning("aisched serve: %s: stopping; open requests get %.1f s, then the Dask client and the "
                            "ledger close", name, config.timeout_graceful_shutdown)
+            if on_stop is not None:
+                on_stop()
             super().handle_exit(sig, frame)
 
     return Server(config)
