@@ -24,7 +24,9 @@ its digest, size and a one-time reference its caller fetches it with.
 
 from __future__ import annotations
 
+import heapq
 import json
+import threading
 import time
 from typing import Any
 
@@ -106,13 +108,20 @@ def _redeem_here(plugin: GPUWorkerPlugin, ticket: Ticket, member: int) -> None:
     The cluster-wide registry on the scheduler catches a re-run on another worker; a scheduler whose memory was
     altered could forget a redemption there, but the ticket names its worker(s) and each worker keeps its own."""
     now = time.time()
-    used: dict[tuple[str, int], float] = plugin.__dict__.setdefault("_redeemed_here", {})
-    for k in [k for k, exp in used.items() if exp < now]:
-        del used[k]
-    if (ticket.id, member) in used:
-        raise TicketRejected(f"ticket {ticket.id[:8]} of run {ticket.run} was already used on this worker: a second "
-                             "execution is refused")
-    used[(ticket.id, member)] = ticket.expires_at
+    with _REDEEMED_LOCK:  # tasks redeem in many threads at once: the check and the mark are one step
+        used: dict[tuple[str, int], float] = plugin.__dict__.setdefault("_redeemed_here", {})
+        by_expiry: list[tuple[float, tuple[str, int]]] = plugin.__dict__.setdefault("_redeemed_by_expiry", [])
+        while by_expiry and by_expiry[0][0] < now:  # forgotten once expired (a heap: no scan of 10,000 per run)
+            _, k = heapq.heappop(by_expiry)
+            used.pop(k, None)
+        if (ticket.id, member) in used:
+            raise TicketRejected(f"ticket {ticket.id[:8]} of run {ticket.run} was already used on this worker: a "
+                                 "second execution is refused")
+        used[(ticket.id, member)] = ticket.expires_at
+        heapq.heappush(by_expiry, (ticket.expires_at, (ticket.id, member)))
+
+
+_REDEEMED_LOCK = threading.Lock()
 
 
 def _secede() -> None:
