@@ -21,7 +21,7 @@ import pytest
 from prefect import flow
 
 from aisched_prefect import AISchedTaskRunner, ai_task
-from tests.helpers import tenant, wait_until
+from tests.helpers import CuttingProxy, tenant, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -129,67 +129,6 @@ def test_a_flow_process_killed_with_runs_waiting_leaves_the_queue_and_each_run_i
             assert all(s.get("charged", 0) == 0 for s in r.payload.get("settlements", [])), r.payload
     assert wait_until(lambda: _queue(control_plane)["queued"] == 0 and _queue(control_plane)["running"] == 0 or None,
                       120, what="the queue empty")
-
-
-class CuttingProxy:
-    """A TCP proxy between a flow and the control plane whose `cut()` drops every open connection at once, as a
-    proxy's idle timeout or a network blip does."""
-
-    def __init__(self, target: str) -> None:
-        import socket
-
-        host, port = target.removeprefix("http://").split(":")
-        self.target = (host, int(port))
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
-        self.open: list = []
-        self.lock = threading.Lock()
-        self.cuts = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            with self.lock:
-                self.open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(a, b) -> None:
-        try:
-            while data := a.recv(65536):
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-    def cut(self) -> None:
-        import socket
-
-        with self.lock:
-            victims, self.open = self.open, []
-            self.cuts += 1
-        for s in victims:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.server.close()
-        self.cut()
 
 
 @ai_task(gpus=1, gpu_type="A10", kind="inference", est_seconds=30)
