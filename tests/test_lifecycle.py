@@ -76,10 +76,12 @@ FLOW_SCRIPT = textwrap.dedent('''
     from prefect.context import FlowRunContext
     from aisched_prefect import AISchedTaskRunner, ai_task
 
+    GATE = sys.argv[4]  # read here: the body runs on a worker, whose argv is its own
+
     @ai_task(gpus=1, gpu_type="A10", kind="inference", est_seconds=30)
     def held(i):  # until the test opens the gate
         deadline = time.time() + 120
-        while not os.path.exists(sys.argv[4]) and time.time() < deadline:
+        while not os.path.exists(GATE) and time.time() < deadline:
             time.sleep(0.05)
         return i
 
