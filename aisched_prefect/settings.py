@@ -51,8 +51,9 @@ class Settings(BaseSettings):
                                 "finish, and then its Dask client and ledger close, before it exits anyway.")
 
     session_lease_seconds: float = Field(
-        default=60.0, ge=2, description="A flow process that has not asked for its outcomes for this long is gone: "
-        "its runs still waiting in the queue leave it (those running finish and are settled).")
+        default=60.0, ge=2, description="A flow process that has not asked for its outcomes for this long (from the "
+        "end of its last poll) is gone: its runs still waiting in the queue leave it (those running finish and are "
+        "settled).")
     outcome_wait_seconds: float = Field(default=20.0, gt=0, description="Longest single long-poll for outcomes "
                                         "(below a proxy's idle timeout).")
     outcome_batch_bytes: int = Field(default=32 * 2**20, gt=0, description="Most result bytes in one outcome poll.")

@@ -1087,11 +1087,13 @@ class FinishTimeFair(EasyBackfill):
     def withdraw(self, jobs: list[Job]) -> None:
         """Jobs that leave unstarted no longer count in their tenant's alone sum (its rho stays its own)."""
         for job in jobs:
-            alone = self.alone.pop(job.id, None)
+            alone = self.alone.get(job.id)
             if alone is not None:
                 w = self._weight(job.submit)
                 self.alone_sum[job.tenant] -= alone * w
-        self.remove(jobs)
+        self.remove(jobs)  # first: a late job is found in the late list by its alone time
+        for job in jobs:
+            self.alone.pop(job.id, None)
 
     def finish(self, jobs: list[Job], now: float | None = None) -> None:
         """A preemptible job kept its alone time and its start's share of `done` in case it came back: no more.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from typing import Any
 
 from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, Grant
@@ -74,3 +76,62 @@ def wait_until(check: Any, timeout: float = 60.0, what: str = "") -> Any:
             return got
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what or check.__doc__ or check}")
+
+
+class CuttingProxy:
+    """A TCP proxy between a flow and the control plane whose `cut()` drops every open connection at once, as a
+    proxy's idle timeout or a network blip does. `cuts`: how many times; `dropped`: connections that were open then."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.open: list = []
+        self.lock = threading.Lock()
+        self.cuts = self.dropped = 0
+        self.clients: set = set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.open += [client, upstream]
+                self.clients.add(client)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        with self.lock:
+            victims, self.open = self.open, []
+            self.cuts += 1
+            self.dropped += sum(1 for s in victims if s in self.clients and s.fileno() != -1)
+            self.clients.clear()
+        for s in victims:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.server.close()
+        self.cut()

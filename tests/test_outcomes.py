@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -76,6 +77,37 @@ def test_a_session_that_stops_polling_is_abandoned_with_what_it_still_waits_for(
     assert sorted(book.expire()) == ["b"] and gone == [["b"]]
     book.put("b", _reply("b"), b"")  # it ends later: nobody waits, nothing is kept
     assert book.stats() == {"sessions": 0, "pending": 0, "unacknowledged": 0, "blocking": 0}
+
+
+def test_a_flow_process_that_dies_after_a_poll_timed_out_is_abandoned_while_its_runs_still_run():
+    """Its last long-poll ended with nothing to deliver, then the process died: once the lease lapses its waiting
+    runs are given up, without waiting for one of its running runs to end first (they may run for hours, and the
+    queue would start the waiting ones for nobody meanwhile)."""
+    gone: list[list[str]] = []
+    book = OutcomeBook(lease_seconds=0.05, on_abandoned=gone.append)
+    for k in ("running", "waiting"):
+        book.expect(k, "s", "w")
+    asyncio.run(book.take("s", "w", after=0, wait=0.01, max_bytes=2**20))  # timed out: nothing ended
+    assert book.expire() == []  # inside its lease
+    deadline = time.monotonic() + 5
+    while not gone and time.monotonic() < deadline:
+        book.expire()
+        time.sleep(0.01)
+    assert gone and sorted(gone[0]) == ["running", "waiting"]
+
+
+def test_a_session_with_a_poll_open_is_not_abandoned_and_its_lease_counts_from_the_poll_s_end():
+    book = OutcomeBook(lease_seconds=0.05)
+    book.expect("k", "s", "w")
+
+    async def scenario():
+        poll = asyncio.ensure_future(book.take("s", "w", after=0, wait=0.3, max_bytes=2**20))
+        await asyncio.sleep(0.15)  # past the lease, but a poll is open: the flow process is there
+        assert book.expire() == []
+        assert await poll == ([], 1)
+        assert book.expire() == []  # it was seen as its poll ended
+
+    asyncio.run(scenario())
 
 
 def test_a_blocking_caller_waits_for_its_own_call():

@@ -381,3 +381,20 @@ def test_ours_learns_a_runs_real_time_when_it_ends():
     (start,) = policy.schedule(0.0, state)
     policy.finish([start.job], 100.0)
     assert policy.backlog["a"] == 100.0  # 250 on the estimate; the pool was free again when the run ended
+
+
+def test_ours_withdraws_a_job_that_waited_past_overdue():
+    """A run whose flow went away leaves the live queue unstarted after waiting long enough to be overdue (on the
+    late list): it is withdrawn like any other (it raised KeyError in the scheduler's stream handler, which closed
+    the control plane's connection to the scheduler)."""
+    from dask_gpu.queue_policy import FinishTimeFair
+
+    policy = FinishTimeFair()
+    state = ClusterState(free=[0], size=[1])  # the one GPU is taken: the job waits
+    late, other = job(1, 1, duration=10.0), job(2, 1, duration=10.0)
+    policy.submit(late, state)
+    policy.submit(other, state)
+    assert [j.id for j in policy.order(1000.0, state)] == [1, 2] and policy.is_late == {1, 2}
+    policy.withdraw([late])
+    assert policy.waiting() == 1 and [j.id for j in policy.order(1001.0, state)] == [2]
+    assert policy.alone_sum["a"] == pytest.approx(policy.alone[2])  # only the job still waiting counts

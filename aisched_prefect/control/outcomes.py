@@ -165,14 +165,29 @@ class OutcomeBook:
                     out.append(k)
                     size += len(k.out)
                 pending = len(s.pending)
-                if not out:
-                    s.waiters.append((loop, event))
-            left = deadline - time.monotonic()
-            if out or left <= 0 or self._closing:
-                return out, pending
+                left = deadline - time.monotonic()
+                if out or left <= 0 or self._closing:
+                    return out, pending
+                s.waiters.append((loop, event))
             try:
                 await asyncio.wait_for(event.wait(), left)
             except asyncio.TimeoutError:
+                pass
+            finally:  # this poll no longer waits (it timed out, was woken or cancelled): the session is seen now
+                self._done_waiting(session, loop, event)
+
+    def _done_waiting(self, session: str, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+        """Forget a poll's waiter. Why: `expire` keeps a session that has a poll open; a waiter left behind by a poll
+        that timed out would keep a flow process that died after it alive until one of its runs ended, and its
+        runs waiting in the queue would wait on (and start) for nobody."""
+        with self._lock:
+            s = self._sessions.get(session)
+            if s is None:
+                return
+            s.seen = time.monotonic()
+            try:
+                s.waiters.remove((loop, event))
+            except ValueError:  # `put` took it to wake it
                 pass
 
     def close(self) -> None:
