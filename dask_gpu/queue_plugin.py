@@ -43,7 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from dataclasses import dataclass, field
@@ -56,6 +59,7 @@ from dask_gpu.inventory import WorkerInventory
 from dask_gpu.queue_policy import LIVE_HALF_LIFE, ClusterState, FinishTimeFair, Job, Policy, Running
 from dask_gpu.request import split
 
+logger = logging.getLogger("distributed.dask_gpu")
 PLUGIN_NAME = "dask-gpu-queue"
 LEAVE_STREAM_OP = "gpu-queue-leave"  # a run ended: sent on the client's batched stream, no round trip
 ENTER_STREAM_OP = "gpu-queue-enter"  # queue a run: on the client's batched stream, no connection held while it waits
@@ -151,12 +155,17 @@ class GPUQueuePlugin(SchedulerPlugin):
             self.add_worker(scheduler, address)
 
     def _leave_stream(self, id: str, client: str | None = None, **kwargs: Any) -> None:
-        self.leave(id)
+        with _contained("leave", id):
+            self.leave(id)
 
     def _freed_stream(self, id: str, worker: str | None = None, **kwargs: Any) -> None:
         """The worker a one-host run is placed on says its body ended: its devices go to the next run now, not after
         the control plane has fetched the result and left (a round trip or two later). Only that worker's word
         counts (a worker cannot free another's run); the client's own leave, later, finds nothing left to do."""
+        with _contained("freed", id):
+            self._freed(id, worker)
+
+    def _freed(self, id: str, worker: str | None) -> None:
         jid = self.keys.get(id)
         if worker is None or jid is None or jid in self.preempted:
             return
@@ -563,6 +572,16 @@ class GPUQueuePlugin(SchedulerPlugin):
         for worker, keys in by_worker.items():  # the worker's stop path, as a client's request_stop takes
             msg = {"op": "gpu_stop", "keys": keys}
             asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
+
+
+@contextmanager
+def _contained(what: str, key: str) -> Iterator[None]:
+    """A stream message the queue fails on is logged and dropped: an exception in a stream handler would close the
+    whole stream, and with it the control plane's connection to the scheduler (every run on it lost)."""
+    try:
+        yield
+    except Exception:
+        logger.exception("the cluster's queue could not take %s of %s; dropped", what, key)
 
 
 def _device_order(key: str) -> tuple[int, ...]:
