@@ -102,12 +102,15 @@ class Running:
         """The Dask keys it runs under: its own, or one per gang member."""
         return self.members or [self.key]
 
-    def add_holds(self, reserve: Any) -> bool:
-        """Take a top-up (`reserve()` returns its holds) unless the run is being settled; False if it was."""
+    def add_holds(self, reserve: Any, seconds: float = 0.0, cost: float = 0.0) -> bool:
+        """Take a top-up (`reserve()` returns its holds) covering `seconds` more, unless the run is being settled;
+        False if it was. Holds and cover change together, under the lock its settlement reads them under."""
         with self.holds_lock:
             if self.settled:
                 return False
             self.holds.extend(reserve())
+            self.covered_seconds += seconds
+            self.extra_cost += cost
             return True
 
 
@@ -197,6 +200,9 @@ class Dispatcher:
             with running.holds_lock:  # a top-up taken now would be left pending, then expire charged in full
                 running.settled = True
                 holds = list(running.holds)
+                covered = running.covered_seconds
+            # Read under the lock: a top-up taken while the caller built its payload counts.
+            payload = {**payload, "top_ups": len(holds) - len(adm.holds), "covered_seconds": covered}
             if running.model_limit is not None:
                 payload = {**payload, "model_limit": running.model_limit}
         else:
@@ -667,8 +673,8 @@ class Dispatcher:
         self.settle(state, charges, {
             "outcome": outcome, "error": None if out.ok else f"{out.error_type}: {out.error_message}",
             "stopped": out.stopped, "placement": placement, "seconds": run.seconds,
-            "gpu_seconds": run.seconds * len(run.devices), "covered_seconds": state.covered_seconds,
-            "top_ups": len(state.holds) - len(adm.holds), "usage": usage.model_dump() if usage else None,
+            "gpu_seconds": run.seconds * len(run.devices),
+            "usage": usage.model_dump() if usage else None,
             "charges": charges, **({"preempted_for": state.preempted_for} if stopped == "preempted" else {}),
             **(result_evidence(out.value, out.result) if out.ok else {})})
         if stopped == "preempted":

@@ -204,14 +204,11 @@ class Watcher:
         if why is None:
             lines = stages.lines(bound, adm.facts, usage, adm.shares, self.dispatcher.ledger.now())
             try:  # atomically with the run's settlement: a run settled meanwhile takes no top-up
-                taken = r.add_holds(lambda: self.dispatcher.ledger.reserve(
-                    lines, kind="top-up", payload=payload, **adm.ids)[0])
+                r.add_holds(lambda: self.dispatcher.ledger.reserve(
+                    lines, kind="top-up", payload=payload, **adm.ids)[0], extra, usage.money)
             except (BudgetExceeded, InvalidLedgerInput) as exc:
                 why = f"budget: {exc}"
             else:
-                if taken:
-                    r.covered_seconds += extra
-                    r.extra_cost += usage.money
                 return
         r.top_up_refused = why
         self.dispatcher.ledger.record("top-up-refused", {**payload, "reason": why}, **adm.ids)
