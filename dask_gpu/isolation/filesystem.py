@@ -93,13 +93,34 @@ def without(paths: Iterable[str], excluded: Iterable[str]) -> list[str]:
                                               for e in out)]
 
 
+PACKAGES = ("dask_gpu", "aisched_prefect", "blocks", "flows")  # this project's: what a zygote and a body import
+
+
+def package_dirs(names: Iterable[str] = PACKAGES) -> list[str]:
+    """Where these packages' files are: beside site-packages for an editable install (`pip install -e .`), whose
+    import hook maps a name to the checkout without a sys.path entry. Only the package folders, never the
+    checkout around them (it may hold a control plane's home and keys)."""
+    import importlib.util
+
+    out: list[str] = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.submodule_search_locations:
+            out.extend(str(p) for p in spec.submodule_search_locations)
+    return out
+
+
 def code_paths(sys_path: Iterable[str], extra: Iterable[str] = ()) -> list[str]:
-    """What a body must read: the interpreter and its install, the import path, and the operator's extra paths."""
+    """What a body must read: the interpreter and its install, the import path, this project's packages, and the
+    operator's extra paths."""
     import sys
 
     install = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
                os.path.dirname(sys.executable), *sysconfig.get_paths().values()]
-    return _outermost([*install, *sys_path, *extra])
+    return _outermost([*install, *sys_path, *package_dirs(), *extra])
 
 
 def _ancestors(path: str) -> list[str]:
