@@ -193,13 +193,18 @@ class CallStream:
     async def call(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> tuple[Reply, bytes]:
         """Submit one call (batched with its neighbours) and wait, as a coroutine, for how it ended."""
         reply = await self._accept(meta, fn_bytes, args_bytes)
-        if reply.status != "accepted":
+        if reply.status != "accepted" and reply.key and reply.key in self._arrived:
+            # A submit sent again after a cut: the run ended meanwhile and its outcome came on this process's stream
+            # (and was acknowledged) before the plane answered the resent submit ("done", its result delivered).
+            reply, out = self._arrived.pop(reply.key)
+        elif reply.status != "accepted":
             return reply, b""
-        self._sent[reply.key] = (meta, fn_bytes, args_bytes)
-        try:
-            reply, out = await self._outcome(reply.key)
-        finally:
-            self._sent.pop(reply.key, None)
+        else:
+            self._sent[reply.key] = (meta, fn_bytes, args_bytes)
+            try:
+                reply, out = await self._outcome(reply.key)
+            finally:
+                self._sent.pop(reply.key, None)
         if reply.status == "completed" and reply.result_ref is not None:  # kept on its worker: fetched from there
             out = await fetch_result(reply.result_ref, meta.task_name)
         return reply, out
@@ -378,7 +383,7 @@ class CallStream:
             except Exception as exc:  # noqa: BLE001 - the wait for this call ends with why
                 reply = Reply(status="failed", key=key, error_type=type(exc).__name__,
                               error_message=f"could not re-attach to the call: {exc}")
-            if reply.status != "accepted":  # it ended meanwhile (its stored reply), or was refused
+            if reply.status != "accepted" and key not in self._arrived:  # it ended meanwhile, or was refused
                 self._deliver(key, reply, b"")
 
         await asyncio.gather(*(again(key, *item) for key, item in sent.items()))

@@ -54,18 +54,19 @@ BIG = 100 * 2**20
 @contextmanager
 def external_cluster(workers: int, per_worker: str, trusted_key: str, isolation: str = "auto"):
     """A Dask scheduler and GPU workers in their own processes, trusting the control plane's key."""
-    tmp = tempfile.mkdtemp()
+    tmp = tempfile.mkdtemp(prefix="bench-cluster-")
     scheduler_file = os.path.join(tmp, "scheduler.json")
-    common = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    print(f"the cluster's logs: {tmp}/scheduler.log, {tmp}/workers.log", file=sys.stderr)
+    logs = [open(os.path.join(tmp, name), "wb") for name in ("scheduler.log", "workers.log")]
     procs = [subprocess.Popen([DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                               "--scheduler-file", scheduler_file], **common)]
+                               "--scheduler-file", scheduler_file], stdout=logs[0], stderr=subprocess.STDOUT)]
     try:
         procs.append(subprocess.Popen(
             [DASK, "worker", "--scheduler-file", scheduler_file, "--nworkers", str(workers), "--nthreads", "8",
              "--host", "127.0.0.1", "--no-dashboard", "--preload", "dask_gpu.preload"],
             env={**os.environ, "DASK_GPU_DECLARED": per_worker, "DASK_GPU_TRUSTED_KEYS": trusted_key,
                  "DASK_DASK_GPU__ISOLATION__MODE": isolation,
-                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, **common))
+                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, stdout=logs[1], stderr=subprocess.STDOUT))
         deadline = time.time() + 60
         while not os.path.exists(scheduler_file) and time.time() < deadline:
             time.sleep(0.1)
@@ -76,6 +77,8 @@ def external_cluster(workers: int, per_worker: str, trusted_key: str, isolation:
         for p in reversed(procs):
             p.terminate()
             p.wait(timeout=30)
+        for f in logs:
+            f.close()
 
 
 @task

@@ -157,7 +157,7 @@ class GPUWorkerPlugin(WorkerPlugin):
             hide=[local, *secrets], devices=devices.sandbox_nodes(settings.device_nodes,
                                                                  [d.index for d in self.inventory.devices]),
             bodies_dir=bodies)
-        self._uids = identity.UidPool(*settings.body_uids)
+        self._uids = identity.UidPool(*settings.body_uids, locks=settings.uid_locks)
 
     def setup(self, worker: Worker) -> None:
         self.worker_address = worker.address

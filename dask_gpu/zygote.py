@@ -137,6 +137,10 @@ def _zygote_main(control_fd: int, preload: list[str], plan: dict[str, Any]) -> N
                 from dask_gpu.child import child_main, run_isolated
 
                 code = run_isolated(conn, header, late, plan) if isolated else child_main(conn)
+            except BaseException:  # before the body's own reporting took over: the worker's log says why
+                import traceback
+
+                traceback.print_exc()
             finally:
                 os._exit(code)
         conn.close()
@@ -180,8 +184,8 @@ class Zygote:
 
                 cmd = [*self.sandbox, "--", *cmd]
                 env = {"PATH": PATH, "LANG": "C.UTF-8"}  # nothing of the worker's environment
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, pass_fds=[theirs.fileno()],
-                                          env=env)
+            self._proc = _spawn(lambda: subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
+                                                         pass_fds=[theirs.fileno()], env=env))
             theirs.close()
             self._control = mine
             return mine
@@ -213,6 +217,28 @@ class Zygote:
             if self._control is not None:
                 self._control.close()
                 self._control = None
+
+
+_SPAWNER: Any = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawn(start: Any) -> Any:
+    """Run `start()` (a Popen) on one thread that lives as long as this process.
+
+    bwrap's --die-with-parent is PR_SET_PDEATHSIG, which fires when the *thread* that forked bwrap ends, not its
+    process: a zygote started from a Dask executor thread (a body's thread, which seceded and ends with its task)
+    was SIGKILLed when that task finished, and every body queued in it failed ("ended before it started the
+    body"). This thread never ends before the process does.
+    """
+    global _SPAWNER
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:  # an executor's one thread stays until the interpreter exits (it never idles out)
+            _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dask-gpu-zygote-spawner")
+        spawner = _SPAWNER
+    return spawner.submit(start).result()
 
 
 def wait_readable(sock: socket.socket, seconds: float) -> bool:

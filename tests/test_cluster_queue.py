@@ -147,7 +147,9 @@ def test_a_scheduler_queue_without_its_weights_gets_them_back(control_plane, das
     try:
         assert weights().get("qs-a") == 4.0
         assert "qs-a" not in dask_client.run_on_scheduler(forget)
-        deadline = time.monotonic() + 10 * QUEUE_SYNC_SECONDS
+        # A hang detector, not a timing goal: the sync is a periodic chore beside others (drift, reports), which a
+        # loaded machine may keep busy for many periods (CI saw more than 10 of them pass).
+        deadline = time.monotonic() + max(120.0, 10 * QUEUE_SYNC_SECONDS)
         while weights().get("qs-a") != 4.0:
             assert time.monotonic() < deadline, "the control plane never set the weights again"
             time.sleep(0.1)

@@ -54,6 +54,36 @@ def test_uids_come_back_only_after_the_range_turned_over():
         pool.lease()
 
 
+def test_two_workers_of_one_host_never_lease_the_same_uid_at_once(tmp_path):
+    """Workers of one host share the default range: a UID another worker's body holds is skipped."""
+    a, b = UidPool(100000, 100002, locks=str(tmp_path)), UidPool(100000, 100002, locks=str(tmp_path))
+    held_a = [a.lease(), a.lease()]
+    assert b.lease() not in held_a
+    with pytest.raises(IsolationError, match="this host's workers"):
+        b.lease()
+    a.release(held_a[0])
+    assert b.lease() == held_a[0]
+
+
+def test_a_dead_workers_uids_come_free(tmp_path):
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from dask_gpu.isolation.identity import UidPool; "
+         f"p = UidPool(100000, 100001, locks={str(tmp_path)!r}); print(p.lease(), p.lease(), flush=True); "
+         "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert sorted(map(int, holder.stdout.readline().split())) == [100000, 100001]
+        pool = UidPool(100000, 100001, locks=str(tmp_path))
+        with pytest.raises(IsolationError):
+            pool.lease()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert sorted([pool.lease(), pool.lease()]) == [100000, 100001]
+
+
 def test_the_ticket_names_its_tenant_and_old_tickets_still_parse():
     signer = TicketSigner.generate()
     from dask_gpu import GPURequest

@@ -87,8 +87,8 @@ def quick(i):
 
 def test_a_burst_of_calls_runs_at_the_configured_rate(control_plane):
     """60 calls of a .map() burst at per_minute=120 start 0.5 s apart: no two slots closer, a call that waited for
-    its rate slot exactly 0.5 s after the one before, the bodies at the slots' rate within 5 %, and no 5 s window
-    with more than 5 % over its share plus one. (A call that asks after the previous slot has passed, as one
+    its rate slot exactly 0.5 s after the one before, the bodies at the slots' rate within 5 %, no 5 s window
+    with more than 5 % over its share of slots plus one, and no body before its slot. (A call that asks after the previous slot has passed, as one
     Prefect submits late on a loaded machine, starts at once: its gap is longer, and it did not wait.)"""
     t = tenant(control_plane, cluster=ClusterBlock(model_limits=[ModelLimit(model="gpt-rate", per_minute=120)]))
 
@@ -109,8 +109,14 @@ def test_a_burst_of_calls_runs_at_the_configured_rate(control_plane):
     rate = (len(starts) - 1) / (starts[-1] - starts[0])
     slot_rate = (len(slots) - 1) / (slots[-1][0] - slots[0][0])
     assert rate == pytest.approx(slot_rate, rel=0.05) and slot_rate <= 2.0 + 1e-6, (rate, slot_rate)
-    most = max(sum(1 for s in starts if a <= s < a + 5.0) for a in starts)
-    assert most <= 10 * 1.05 + 1, most  # no burst: 10 starts per 5 s at this rate
+    times = [slot for slot, _ in slots]
+    most = max(sum(1 for s in times if a <= s < a + 5.0) for a in times)
+    assert most <= 10 * 1.05 + 1, most  # no burst: 10 slots per 5 s at this rate
+    # No body starts before its slot (each starts at or after its own, so the k-th earliest start is at or after the
+    # k-th earliest slot; the scheduler's clock is this host's). How closely the bodies follow their slots is the
+    # machine's speed, not the limit's: two bodies a loaded worker started late may start together.
+    early = [(s, slot) for s, slot in zip(starts, times) if s < slot - 0.01]
+    assert not early, early
 
 
 def test_other_models_and_kinds_are_not_limited(control_plane):

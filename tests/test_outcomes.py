@@ -154,3 +154,31 @@ def test_a_result_whose_bytes_differ_from_its_recorded_digest_is_never_unpickled
         assert (await fut2)[1] == b"good"
 
     asyncio.run(scenario())
+
+
+def test_a_resent_submit_told_done_takes_the_outcome_that_came_on_the_stream_meanwhile():
+    """A submit whose answer was cut is sent again; meanwhile the run ended, its outcome came on this process's poll
+    and was acknowledged, so the plane answers the resent submit "done, result lost". The flow has the outcome: it
+    takes it (seen once under load in test_lifecycle's cut connections, as a task failed with ResultLost)."""
+    stream = CallStream(["http://127.0.0.1:9"], "token")
+
+    class Answer:
+        def json(self):
+            return {"replies": [Reply(status="failed", key="k1", error_type="aisched_prefect.ResultLost",
+                                      error_message="lost with the connection").model_dump(mode="json")]}
+
+    async def send(method, path, **kw):
+        assert (method, path) == ("POST", "/v1/runs")
+        stream._deliver("k1", Reply(status="completed", key="k1", result_digest=result_digest(b"value")), b"value")
+        return 0, Answer()
+
+    stream._send = send
+
+    async def scenario():
+        try:
+            return await stream.call(_meta(1), b"fn", b"args")
+        finally:
+            await stream.aclose()
+
+    reply, out = asyncio.run(scenario())
+    assert (reply.status, out) == ("completed", b"value")

@@ -81,3 +81,31 @@ def test_an_isolated_zygote_leaves_a_flows_own_modules_to_its_bodies():
         assert run_body(zygote, poisoned, [], {"uid": 24001, "workdir": "z2"}) is None  # the zygote never did
     finally:
         zygote.close()
+
+
+def test_an_isolated_zygote_outlives_the_thread_that_started_it():
+    """A body's Dask thread starts its tenant's zygote and ends with its task. bwrap's --die-with-parent fires when
+    the thread that forked it ends: a zygote started there was SIGKILLed, and the bodies queued in it failed."""
+    import threading
+
+    why = can_isolate(IsolationSettings())
+    if why:
+        if os.environ.get("AISCHED_REQUIRE_ISOLATION"):
+            pytest.fail(f"AISCHED_REQUIRE_ISOLATION is set but: {why}")
+        pytest.skip(f"needs root and bubblewrap: {why}")
+    bodies = tempfile.mkdtemp(prefix="zygote-bodies-")
+    os.chmod(bodies, 0o711)
+    zygote = Zygote(tenant="team-a", sandbox=filesystem.sandbox_argv(
+        "/usr/bin/bwrap", read_only=filesystem.code_paths(__import__("sys").path), hide=[], bodies_dir=bodies,
+        devices=devices.sandbox_nodes("/dev", [])))
+    try:
+        got: list = []
+        first = threading.Thread(target=lambda: got.append(run_body(zygote, poisoned, [], {"uid": 24010, "workdir": "t1"})))
+        first.start()
+        first.join()  # the thread that started the zygote is gone
+        started = zygote._proc
+        assert got == [None]
+        assert run_body(zygote, poisoned, [], {"uid": 24011, "workdir": "t2"}) is None
+        assert zygote._proc is started and started.poll() is None  # the same zygote, never killed and restarted
+    finally:
+        zygote.close()

@@ -52,6 +52,7 @@ class IsolationSettings(BaseModel):
     bwrap: str = "/usr/bin/bwrap"
     device_nodes: str = "/dev"  # where this host's nvidia* nodes are (a test points it at stand-ins)
     bodies_dir: str | None = None  # each body's working directory lives under it (default: the worker's local dir)
+    uid_locks: str = "/run/dask-gpu/uids"  # this host's workers lease body UIDs here, one at a time each (flock)
     extra_paths: tuple[str, ...] = Field(default=())  # more read-only paths a body may read (datasets, models)
 
     @field_validator("body_uids", mode="before")
@@ -81,7 +82,7 @@ def settings_from_config() -> IsolationSettings:
 
     raw = dask.config.get(CONFIG_KEY, default={}) or {}
     values = {str(k).replace("-", "_"): v for k, v in dict(raw).items() if v is not None}
-    for key in ("tenant", "bwrap", "device_nodes", "bodies_dir"):  # the environment's "123" reads as a number
+    for key in ("tenant", "bwrap", "device_nodes", "bodies_dir", "uid_locks"):  # the environment's "123" reads as a number
         if key in values:
             values[key] = str(values[key])
     try:

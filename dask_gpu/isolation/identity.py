@@ -20,23 +20,54 @@ PR_SET_NO_NEW_PRIVS = 38
 
 
 class UidPool:
-    """UIDs leased to running bodies, from `first` to `last` inclusive."""
+    """UIDs leased to running bodies, from `first` to `last` inclusive, exclusive across this host's workers.
 
-    def __init__(self, first: int, last: int) -> None:
+    Several workers on one host (`dask worker --nworkers 4`, or one per GPU) are given the same range; a UID
+    leased by one must not be another's body's at the same time. Each lease takes an exclusive `flock` on
+    `locks/<uid>` (a root-owned folder no body can open): a UID another worker holds is skipped, and a worker
+    that dies lets go of its UIDs with its file descriptors.
+    """
+
+    def __init__(self, first: int, last: int, locks: str | None = None) -> None:
         self._free = deque(range(first, last + 1))
         self._lock = threading.Lock()
+        self._locks = locks
+        self._held: dict[int, int] = {}  # uid -> the descriptor of its lock file
+        if locks is not None:
+            os.makedirs(locks, mode=0o700, exist_ok=True)
+            os.chmod(locks, 0o700)
 
     def lease(self) -> int:
         from dask_gpu.isolation import IsolationError
 
         with self._lock:
-            if not self._free:
-                raise IsolationError("every UID of --body-uids is held by a running body. Fix: give the worker a "
-                                     "wider range (dask-gpu-worker --body-uids FIRST-LAST)")
-            return self._free.popleft()
+            for _ in range(len(self._free)):
+                uid = self._free.popleft()
+                if self._take(uid):
+                    return uid
+                self._free.append(uid)  # another worker of this host holds it: try it again later
+            raise IsolationError("every UID of --body-uids is held by a running body of this host's workers. Fix: "
+                                 "give the workers a wider range (dask-gpu-worker --body-uids FIRST-LAST)")
+
+    def _take(self, uid: int) -> bool:
+        if self._locks is None:
+            return True
+        import fcntl
+
+        fd = os.open(os.path.join(self._locks, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._held[uid] = fd
+        return True
 
     def release(self, uid: int) -> None:
         with self._lock:
+            fd = self._held.pop(uid, None)
+            if fd is not None:
+                os.close(fd)  # the lock goes with it
             if uid not in self._free:
                 self._free.append(uid)
 
