@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+import time
 import uuid
 from typing import Any, Callable
 
@@ -96,6 +98,26 @@ def mark_version_seen(ledger: Ledger, admission: Admission) -> list[tuple[str, s
     return [key]
 
 
+DECISION_SECONDS = 2.0  # how long a map's elements share one decision (feasibility reads inventories this fresh)
+MAX_DECISIONS = 4096
+
+
+class Decision(BaseModel):
+    """Stages 0-4's answer for one request: what every element of a map with that request shares."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    bound: Any
+    workers: list[str]
+    estimate: Any
+    facts: RunFacts
+    chain: list[Any]
+    priority: int
+    outcome: Any = None
+    chain_payload: dict[str, Any] = {}  # what the admission's record says of the chain and priority
+    shared_from: str | None = None  # the task run whose admission took this decision (set on reuse)
+
+
 class ApprovalNeeded(Exception):
     """The policy asks a person: the budget is held (or, `existing`: the call's request is already on file and
     nothing more is held), the caller waits for the answer."""
@@ -114,6 +136,8 @@ class Admitter:
         self.existing_approval = existing_approval  # (flow run, digest) -> a request on file for this call
         self.before_asking: Callable[[Credential], None] | None = None  # may refuse a new request (raises)
         self._versions_seen: set[tuple[str, str]] = set()
+        self._decisions: dict[tuple[Any, ...], tuple[Any, float, Decision]] = {}  # one decision per map (_decide)
+        self._decisions_lock = threading.Lock()
 
     def deny(self, stage: str, reason: str, fix: str, payload: dict[str, Any], ids: dict[str, Any]) -> AdmissionDenied:
         self.ledger.record("denial", {**payload, "stage": stage, "reason": reason, "fix": fix}, **ids)
@@ -138,24 +162,13 @@ class Admitter:
                                    "request": request.model_dump(mode="json"), "code_digest": meta.code_digest,
                                    "function_digest": function_digest, "payload_digest": payload_digest, "credential": cred.id, "replica": self.replica}
         try:
-            bound = stages.configuration(snap, cred)
-            payload.update(authority=bound.authority.ref, budget=bound.budget.ref,
-                           policy=bound.policy.ref if bound.policy else None)
-            workers, types = self._feasible(request)
-            estimate = stages.pricing(bound.budget, request, types)
-            payload["estimate"] = estimate.model_dump()
-            facts = RunFacts(
-                principal=cred.principal, tenant=cred.tenant, flow=meta.flow_name, flow_version=function_digest[:16] or None,
-                first_of_version=self._first_of_version(bound, cred, meta.flow_name, function_digest),
-                kind=request.kind, model=request.model, gpus=request.gpus, gpu_types=tuple(types),
-                est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount)
-            chain = stages.authority(snap, bound, facts, meta.grant)
-            payload.update(grant=chain[-1].id, chain=[g.id for g in chain],
-                           grant_versions={g.id: stages.version_of(g) for g in chain})
-            priority = payload["priority"] = min([request.priority, *(g.max_priority for g in chain)])
-            outcome = stages.policy(bound, facts)
+            d = self._decide(snap, cred, meta, request, function_digest, payload)
         except AdmissionDenied as exc:
             raise self.deny(exc.stage, exc.reason, exc.fix, payload, ids) from None
+        bound, workers, estimate, facts, chain, priority, outcome = (
+            d.bound, d.workers, d.estimate, d.facts, d.chain, d.priority, d.outcome)
+        if d.shared_from is not None:  # an element of a map decided with the element before it (same request)
+            payload["decided_with"] = d.shared_from
         payload["approval_rule"] = outcome.rule if outcome else None
         asking = outcome is not None and outcome.action == "ask"
         if asking and approver == "policy":
@@ -216,6 +229,56 @@ class Admitter:
         if asking:
             raise ApprovalNeeded(admission, admission.approval or "")
         return admission
+
+    def _decide(self, snap: Any, cred: Credential, meta: CallMeta, request: AIRequest, function_digest: str,
+                payload: dict[str, Any]) -> Decision:
+        """Stages 0-4 (configuration, feasibility, pricing, authority, approval policy), once per map; what each
+        stage found goes into `payload` (the admission's or the denial's record) as it is found.
+
+        The elements of a `.map()` are one request in all but their arguments: the same credential, task, request,
+        grant and code, over the same snapshot of authority. Their decision is taken once and reused (a job
+        array, as Slurm admits one) while the snapshot is the same object (any authority record, a revocation
+        or an apply, makes a new one), for at most DECISION_SECONDS (the inventories feasibility reads are that
+        fresh), never past the chain's earliest expiry nor a whole UTC hour (where a rule's hours_utc turns). Budget is not part of it: each element holds its own
+        (ledger.reserve), and has its own admission record. A decision that asks a person is never reused: each
+        call is asked on its own."""
+        bound = stages.configuration(snap, cred)
+        payload.update(authority=bound.authority.ref, budget=bound.budget.ref,
+                       policy=bound.policy.ref if bound.policy else None)
+        first = self._first_of_version(bound, cred, meta.flow_name, function_digest)
+        key = (cred.id, meta.task_name, meta.flow_name, meta.grant, meta.approver, function_digest, first,
+               request.model_dump_json())
+        now = time.time()
+        with self._decisions_lock:
+            hit = self._decisions.get(key)
+        if hit is not None and hit[0] is snap and now < hit[1]:
+            d = hit[2]
+            payload.update(estimate=d.estimate.model_dump(), **d.chain_payload)
+            return d
+        workers, types = self._feasible(request)
+        estimate = stages.pricing(bound.budget, request, types)
+        payload["estimate"] = estimate.model_dump()
+        facts = RunFacts(
+            principal=cred.principal, tenant=cred.tenant, flow=meta.flow_name, flow_version=function_digest[:16] or None,
+            first_of_version=first, kind=request.kind, model=request.model, gpus=request.gpus, gpu_types=tuple(types),
+            est_seconds=request.est_seconds, est_tokens=request.est_tokens, est_cost=estimate.amount)
+        chain = stages.authority(snap, bound, facts, meta.grant)
+        priority = min([request.priority, *(g.max_priority for g in chain)])
+        chained = {"grant": chain[-1].id, "chain": [g.id for g in chain],
+                   "grant_versions": {g.id: stages.version_of(g) for g in chain}, "priority": priority}
+        payload.update(chained)
+        outcome = stages.policy(bound, facts)
+        decision = Decision(bound=bound, workers=workers, estimate=estimate, facts=facts, chain=chain,
+                            priority=priority, outcome=outcome, chain_payload=chained)
+        if outcome is None or outcome.action != "ask":
+            expiry = stages.earliest_expiry(chain)
+            next_hour = (now // 3600 + 1) * 3600  # a rule's hours_utc turns at a whole hour
+            until = min(now + DECISION_SECONDS, next_hour, expiry if expiry is not None else next_hour)
+            with self._decisions_lock:
+                if len(self._decisions) >= MAX_DECISIONS:
+                    self._decisions.clear()
+                self._decisions[key] = (snap, until, decision.model_copy(update={"shared_from": meta.task_run_id}))
+        return decision
 
     def _feasible(self, request: AIRequest) -> tuple[list[str], list[str]]:
         """Feasibility against inventories at most a few seconds old; an infeasible answer is re-checked fresh."""
