@@ -163,6 +163,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         self.worker_address = worker.address
         self.worker_name = str(worker.name)
         self._worker = worker
+        _stop_frame_sampler(worker)
         self._isolate(worker)
         self._start_results(worker)
         assert self.isolation is not None
@@ -220,3 +221,20 @@ class GPUWorkerPlugin(WorkerPlugin):
                 "held": self.allocator.holders(), "usage": self.allocator.usage(),
                 "isolation": plan.mode if plan else "", "isolation_detail": plan.describe() if plan else "",
                 "results": self.results.base_url if self.results else ""}
+
+
+def _stop_frame_sampler(worker: Worker) -> None:
+    """Stop the worker's statistical profiler (`distributed.worker.profile`): it deadlocks this worker.
+
+    Every body's thread secedes and ends with its task, so a GPU worker ends a thread per run. CPython before
+    3.12 (gh-106883, on the 3.11.7 here) deadlocks when a thread ends (it holds the GIL and waits for the runtime's
+    thread-list lock) while another is inside `sys._current_frames()` (it holds that lock and, once a garbage
+    collection it triggered calls distributed's GC callback, which releases the GIL, waits for the GIL): the
+    profiler calls it every 10 ms. bench/overhead.py's 1,000-task row hung so, every thread of a worker on one
+    futex. The profiler only ever sampled the worker's own threads: a body runs in a process of its own.
+    """
+    for name in ("profile", "profile-cycle"):
+        pc = worker.periodic_callbacks.pop(name, None)
+        if pc is not None:
+            pc.stop()
+

@@ -148,3 +148,14 @@ def test_live_state_is_readable_from_the_scheduler_side(dask_client):
     states = dask_gpu.cluster_states(dask_client)
     assert sorted(states) == ["gpu-worker-0", "gpu-worker-1", "gpu-worker-2"]
     assert all(s is None for s in states.values())  # declared devices: no NVML to sample
+
+
+def test_gpu_workers_run_no_frame_sampler(dask_client):
+    """A GPU worker ends a thread per body (each secedes); with the worker's statistical profiler calling
+    sys._current_frames() every 10 ms, CPython 3.11 deadlocks (gh-106883): every thread of the worker on one futex,
+    as bench/overhead.py's 1,000-task row hung. The plugin stops that profiler on every GPU worker."""
+    def sampler(dask_worker) -> list[str]:
+        return sorted(n for n in dask_worker.periodic_callbacks if n.startswith("profile"))
+
+    answers = dask_client.run(sampler)
+    assert answers and all(v == [] for v in answers.values()), answers
