@@ -21,6 +21,8 @@ from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
 from dask_gpu.security import ClusterTLS
 from dask_gpu.tickets import TRUSTED_KEYS_ENV
 
+logger = logging.getLogger("distributed.dask_gpu")
+
 PRELOAD = "dask_gpu.preload"
 NANNY_PRELOAD = "dask_gpu.nanny_preload"
 SCHEDULER_PRELOAD = "dask_gpu.scheduler_preload"
@@ -173,14 +175,53 @@ class LocalGPUCluster(SpecCluster):
         super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs, **kwargs)
 
 
+BROADCAST_SECONDS_KEY = "dask-gpu.broadcast-seconds"  # how long a worker may take to answer a broadcast
+
+
 def broadcast(client: Client, op: str, **msg: Any) -> dict[str, Any]:
     """Ask every worker's GPU plugin (`op`: gpu_stop, gpu_renew, gpu_running_for, gpu_inventory), one round trip.
 
     Goes through the scheduler's broadcast to handlers the preload installed:
     no code is shipped and workers log nothing per call. Workers without the
-    plugin are skipped.
+    plugin are skipped. The scheduler's broadcast waits for every worker with no
+    timeout: one worker that stopped answering (a deadlocked or stopped process,
+    until the scheduler's worker-ttl removes it) held the control plane's
+    inventory read, and every admission behind it, for good. Past
+    `dask-gpu.broadcast-seconds` (10 s) each worker is asked on its own, with
+    that timeout, and the answers of those that answer are returned.
     """
-    return client.sync(client.scheduler.broadcast, msg={"op": op, **msg}, on_error="ignore")
+    return _broadcast(client, {"op": op, **msg})
+
+
+def _timeout() -> float:
+    import dask
+
+    return float(dask.config.get(BROADCAST_SECONDS_KEY, default=10.0))
+
+
+def _broadcast(client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+    timeout = _timeout()
+    try:
+        return client.sync(client.scheduler.broadcast, msg=msg, on_error="ignore", callback_timeout=timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        return client.sync(_each_worker, client, msg, timeout)
+
+
+async def _each_worker(client: Client, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    workers = list((await client.scheduler.identity())["workers"])
+    answers = await asyncio.gather(*(asyncio.wait_for(client.scheduler.broadcast(
+        msg=msg, workers=[w], on_error="ignore"), timeout) for w in workers), return_exceptions=True)
+    out: dict[str, Any] = {}
+    slow = []
+    for worker, answer in zip(workers, answers):
+        if isinstance(answer, BaseException):
+            slow.append(worker)
+        else:
+            out.update(answer)
+    if slow:
+        logger.warning("GPU worker(s) %s did not answer %s within %.0fs: left out (a hung worker is removed by the "
+                       "scheduler's worker-ttl)", ", ".join(slow), msg.get("op"), timeout)
+    return out
 
 
 def _answers(found: dict[str, Any]) -> list[Any]:
@@ -194,7 +235,7 @@ def cluster_inventories(client: Client) -> dict[str, WorkerInventory]:
     nanny keeps its name, so a placement restricted to it stays valid.
     """
     out: dict[str, WorkerInventory] = {}
-    for address, answer in client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"}, on_error="ignore").items():
+    for address, answer in _broadcast(client, {"op": "gpu_inventory"}).items():
         if isinstance(answer, dict) and "inventory" in answer:
             out[answer["name"] or address] = WorkerInventory.model_validate(answer["inventory"])
     return out
@@ -220,7 +261,7 @@ class WorkerView(BaseModel):
 def cluster_view(client: Client) -> list[WorkerView]:
     """Every GPU worker with its devices and their holders, one round trip."""
     out = []
-    for address, answer in client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"}, on_error="ignore").items():
+    for address, answer in _broadcast(client, {"op": "gpu_inventory"}).items():
         if isinstance(answer, dict) and "inventory" in answer:
             out.append(WorkerView(name=answer["name"] or address, address=address, inventory=answer["inventory"],
                                   held=answer["held"], usage=answer["usage"], isolation=answer.get("isolation", ""),

@@ -159,3 +159,29 @@ def test_gpu_workers_run_no_frame_sampler(dask_client):
 
     answers = dask_client.run(sampler)
     assert answers and all(v == [] for v in answers.values()), answers
+
+
+def test_a_worker_that_stopped_answering_is_left_out_of_a_broadcast_not_waited_for():
+    """The scheduler's broadcast waits for every worker: one hung worker (here SIGSTOPped) held the control plane's
+    inventory read, and every admission behind it. Past dask-gpu.broadcast-seconds the others' answers come back."""
+    import os
+    import signal
+
+    import dask
+    from distributed import Client
+
+    from dask_gpu import LocalGPUCluster
+    from dask_gpu.cluster import BROADCAST_SECONDS_KEY, cluster_inventories
+
+    with LocalGPUCluster(declared="2 workers x 1 GPUs, 80 GB, H100") as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=120)
+        assert len(cluster_inventories(client)) == 2
+        pids = client.run(os.getpid)
+        hung, pid = sorted(pids.items())[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with dask.config.set({BROADCAST_SECONDS_KEY: 2}):
+                answered = cluster_inventories(client)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert len(answered) == 1, answered  # the worker still answering, without the hung one
