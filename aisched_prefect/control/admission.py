@@ -239,9 +239,9 @@ class Admitter:
         grant and code, over the same snapshot of authority. Their decision is taken once and reused (a job
         array, as Slurm admits one) while the snapshot is the same object (any authority record, a revocation
         or an apply, makes a new one), for at most DECISION_SECONDS (the inventories feasibility reads are that
-        fresh), never past the chain's earliest expiry nor a whole UTC hour (where a rule's hours_utc turns). Budget is not part of it: each element holds its own
-        (ledger.reserve), and has its own admission record. A decision that asks a person is never reused: each
-        call is asked on its own."""
+        fresh), never past the chain's earliest expiry nor a whole UTC hour (where a rule's hours_utc turns).
+        Budget is not part of it: each element holds its own (ledger.reserve), and has its own admission record.
+        A decision that asks a person is never reused: each call is asked on its own."""
         bound = stages.configuration(snap, cred)
         payload.update(authority=bound.authority.ref, budget=bound.budget.ref,
                        policy=bound.policy.ref if bound.policy else None)
