@@ -48,6 +48,21 @@ def run_body(zygote: Zygote, fn, modules=(), run=None):
     return cloudpickle.loads(blob)
 
 
+def isolated_zygote(tenant: str) -> Zygote:
+    """A tenant's zygote in the bwrap sandbox an isolated worker gives it (skipped, or failed under CI, where the
+    machine cannot isolate)."""
+    why = can_isolate(IsolationSettings())
+    if why:
+        if os.environ.get("AISCHED_REQUIRE_ISOLATION"):
+            pytest.fail(f"AISCHED_REQUIRE_ISOLATION is set but: {why}")
+        pytest.skip(f"needs root and bubblewrap: {why}")
+    bodies = tempfile.mkdtemp(prefix="zygote-bodies-")
+    os.chmod(bodies, 0o711)
+    return Zygote(tenant=tenant, sandbox=filesystem.sandbox_argv(
+        "/usr/bin/bwrap", read_only=filesystem.code_paths(__import__("sys").path), hide=[], bodies_dir=bodies,
+        devices=devices.sandbox_nodes("/dev", [])))
+
+
 def test_module_level_code_one_tenant_had_imported_never_reaches_another_tenants_bodies():
     plugin = GPUWorkerPlugin(WorkerInventory(), isolation=IsolationPlan(mode="shared"))
     a, b = plugin.zygote_for("team-a"), plugin.zygote_for("team-b")
@@ -65,16 +80,7 @@ def test_module_level_code_one_tenant_had_imported_never_reaches_another_tenants
 
 
 def test_an_isolated_zygote_leaves_a_flows_own_modules_to_its_bodies():
-    why = can_isolate(IsolationSettings())
-    if why:
-        if os.environ.get("AISCHED_REQUIRE_ISOLATION"):
-            pytest.fail(f"AISCHED_REQUIRE_ISOLATION is set but: {why}")
-        pytest.skip(f"needs root and bubblewrap: {why}")
-    bodies = tempfile.mkdtemp(prefix="zygote-bodies-")
-    os.chmod(bodies, 0o711)
-    zygote = Zygote(tenant="team-a", sandbox=filesystem.sandbox_argv(
-        "/usr/bin/bwrap", read_only=filesystem.code_paths(__import__("sys").path), hide=[], bodies_dir=bodies,
-        devices=devices.sandbox_nodes("/dev", [])))
+    zygote = isolated_zygote("team-a")
     try:
         first = run_body(zygote, poisoned, ["tests.zygote_poison"], {"uid": 24000, "workdir": "z1"})
         assert first == "team-a"  # its own body imported it, after dropping to UID 24000
@@ -88,16 +94,7 @@ def test_an_isolated_zygote_outlives_the_thread_that_started_it():
     the thread that forked it ends: a zygote started there was SIGKILLed, and the bodies queued in it failed."""
     import threading
 
-    why = can_isolate(IsolationSettings())
-    if why:
-        if os.environ.get("AISCHED_REQUIRE_ISOLATION"):
-            pytest.fail(f"AISCHED_REQUIRE_ISOLATION is set but: {why}")
-        pytest.skip(f"needs root and bubblewrap: {why}")
-    bodies = tempfile.mkdtemp(prefix="zygote-bodies-")
-    os.chmod(bodies, 0o711)
-    zygote = Zygote(tenant="team-a", sandbox=filesystem.sandbox_argv(
-        "/usr/bin/bwrap", read_only=filesystem.code_paths(__import__("sys").path), hide=[], bodies_dir=bodies,
-        devices=devices.sandbox_nodes("/dev", [])))
+    zygote = isolated_zygote("team-a")
     try:
         got: list = []
         first = threading.Thread(target=lambda: got.append(run_body(zygote, poisoned, [], {"uid": 24010, "workdir": "t1"})))
