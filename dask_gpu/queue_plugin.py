@@ -544,9 +544,17 @@ class GPUQueuePlugin(SchedulerPlugin):
                 self._start_fraction(jid, client, fit[0], fit[1], self.specs.pop(jid), job)
         for start in self.policy.schedule(now, self.state):
             client, job = self.waiters.pop(start.job.id)
+            spec = self.specs.get(job.id, Spec())
+            if spec.share and (fit := self._open_fit(spec, job.hosts)) is not None:
+                # A device an earlier start of this pass opened has room (two fractions entered in one burst, after
+                # the shared devices filled): it shares that one, and the policy gets back the GPU it counted.
+                for h, g in start.holds:
+                    self.state.free[h] += g
+                self.policy.finish([job], now)
+                self._start_fraction(job.id, client, fit[0], fit[1], self.specs.pop(job.id), job)
+                continue
             run = Running(start.job, start.host, now, start.gang)
             self.state.running.append(run)
-            spec = self.specs.get(job.id, Spec())
             address = self.addresses[start.host]
             device = self._fresh(address, spec) if spec.share else None
             if device is not None:  # a fraction opens a device: the policy's run keeps it counted until it empties

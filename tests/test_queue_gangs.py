@@ -105,3 +105,26 @@ def test_fractions_share_an_open_device_at_once_and_only_a_fresh_device_waits_in
         assert plugin.status()["free"] == {"tcp://w0": 2} and plugin.status()["devices"] == {"tcp://w0": {"0": 0.0, "1": 0.0}}
 
     asyncio.run(scenario())
+
+
+def test_fractions_that_enter_in_one_burst_share_the_device_the_first_of_them_opens():
+    """Two quarter-GPU runs enter together once the open device is full: the first opens a fresh device and the
+    second shares it, not a third device (test_fractions_queue saw [4, 1, 1] across three A10s once)."""
+    from dask_gpu.queue_plugin import Device
+
+    async def scenario():
+        plugin = GPUQueuePlugin(FairShare(headroom=0))
+        await plugin.start(_Scheduler({"tcp://w0": 3}))
+        plugin.devices["tcp://w0"] = [Device(str(i), "A10", 24.0) for i in range(3)]
+        first = [await plugin.place(f"q{i}", tenant="a", gpus=0.25, estimate=10.0) for i in range(4)]
+        assert {tuple(map(tuple, f["devices"])) for f in first} == {(("0",),)}  # device 0 full
+        burst = [asyncio.ensure_future(plugin.place(f"b{i}", tenant="a", gpus=0.25, estimate=10.0)) for i in range(2)]
+        placed = await asyncio.gather(*burst)
+        assert placed[0]["devices"] == placed[1]["devices"] != [["0"]], placed
+        assert plugin.status()["free"] == {"tcp://w0": 1}  # two devices busy, one left whole
+        for key in ["q0", "q1", "q2", "q3", "b0", "b1"]:
+            plugin.leave(key)
+        assert plugin.status()["free"] == {"tcp://w0": 3}
+
+    asyncio.run(scenario())
+
