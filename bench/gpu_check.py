@@ -148,7 +148,7 @@ def main() -> int:
     cases += [(f"half GPU, task {i}", GPURequest(gpus=0.5)) for i in range(2)]
     rows, failures = [], 0
     with LocalGPUCluster() as cluster, Client(cluster, set_as_default=False) as client:
-        resources = next(iter(client.scheduler_info()["workers"].values()))["resources"]
+        resources = next(iter(client.sync(client.scheduler.identity, n_workers=-1)["workers"].values()))["resources"]
         print(f"worker resources: {resources}")
         print(f"live state: {dask_gpu.cluster_states(client)}")
         t0 = time.time()

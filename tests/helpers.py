@@ -135,3 +135,10 @@ class CuttingProxy:
     def close(self) -> None:
         self.server.close()
         self.cut()
+
+
+def workers_info(client: Any) -> dict[str, Any]:
+    """Every worker the scheduler has now, by address. `client.scheduler_info()` fetches them and returns the
+    client's cached identity, which its periodic refresh (with no workers) may overwrite in between: seen once as
+    an empty `workers` in a full run."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]

@@ -20,7 +20,8 @@ def record_devices(hold: float):
 
 
 def test_workers_advertise_gpus_as_resources(dask_client):
-    info = dask_client.scheduler_info()["workers"]
+    # Not scheduler_info(): its cached identity may be overwritten by the periodic refresh (no workers) in between.
+    info = dask_client.sync(dask_client.scheduler.identity, n_workers=-1)["workers"]
     resources = sorted((w["resources"]["GPU"], w["resources"].get("GPU-H100", 0), w["resources"].get("GPU-A10", 0))
                        for w in info.values())
     assert resources == [(1.0, 0, 1.0), (2.0, 2.0, 0), (2.0, 2.0, 0)]

@@ -28,6 +28,7 @@ from dask_gpu.sandbox import Body, Outcome, run_ticketed
 from dask_gpu.security import ClusterTLS
 from dask_gpu.tickets import TicketSigner, digest
 from tests.attacks.support import run_flow, tenant
+from tests.helpers import workers_info
 
 
 def connect_client(address: str, **args) -> None:
@@ -98,7 +99,7 @@ def test_without_the_clusters_client_certificate_nothing_connects(gpu_cluster, d
     from distributed.comm import connect
 
     scheduler = gpu_cluster.scheduler_address
-    workers = list(dask_client.scheduler_info()["workers"])
+    workers = list(workers_info(dask_client))
     own = ClusterTLS.create(tmp_path / "own").security("client")
     for attempt in (dict(), dict(security=own)):
         with pytest.raises(Exception) as refused:
@@ -165,7 +166,7 @@ def test_a_workers_certificate_does_not_make_a_dask_client(gpu_cluster, cluster_
                       tls_client_key=str(d / "cluster.key"), require_encryption=True)
     with pytest.raises(Exception):
         connect_client(gpu_cluster.scheduler_address, timeout=5, security=stolen)
-    worker = next(iter(dask_client.scheduler_info()["workers"]))
+    worker = next(iter(workers_info(dask_client)))
 
     async def ask(op: str, **msg):
         remote = rpc(worker, connection_args=stolen.get_connection_args("client"))

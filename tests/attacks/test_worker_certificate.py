@@ -15,6 +15,7 @@ import pytest
 from distributed.core import rpc
 from distributed.protocol.pickle import dumps
 from distributed.security import Security
+from tests.helpers import workers_info
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def _owned(path: str) -> str:
 def test_the_worker_certificate_opens_nothing_that_runs_code_reads_tasks_or_changes_others_on_the_scheduler(
         gpu_cluster, dask_client, stolen, tmp_path):
     scheduler = gpu_cluster.scheduler_address
-    workers = list(dask_client.scheduler_info()["workers"])
+    workers = list(workers_info(dask_client))
     proof = tmp_path / "ran"
     attempts = {
         "feed": {"function": dumps(lambda dask_scheduler: _owned(str(proof))), "interval": "10ms"},
@@ -65,13 +66,13 @@ def test_the_worker_certificate_opens_nothing_that_runs_code_reads_tasks_or_chan
         with pytest.raises(PermissionError, match="refuses"):
             ask(scheduler, stolen, op.replace("-", "_"), **msg)
     assert not proof.exists()
-    assert sorted(dask_client.scheduler_info()["workers"]) == sorted(workers)  # nobody was removed
+    assert sorted(workers_info(dask_client)) == sorted(workers)  # nobody was removed
     assert dask_client.submit(lambda: 1, pure=False).result(timeout=30) == 1  # the scheduler still runs
 
 
 def test_a_nanny_refuses_the_worker_certificate(dask_client, stolen, tmp_path):
     proof = tmp_path / "ran"
-    nannies = [w["nanny"] for w in dask_client.scheduler_info()["workers"].values()]
+    nannies = [w["nanny"] for w in workers_info(dask_client).values()]
     assert len(nannies) == 3 and all(nannies)
     for nanny in nannies:
         for op, msg in (("run", {"function": dumps(lambda: _owned(str(proof)))}), ("kill", {}), ("restart", {}),
@@ -85,7 +86,7 @@ def test_a_nanny_refuses_the_worker_certificate(dask_client, stolen, tmp_path):
 
 def test_a_worker_refuses_the_worker_certificate(dask_client, stolen, tmp_path):
     proof = tmp_path / "ran"
-    for worker in dask_client.scheduler_info()["workers"]:
+    for worker in workers_info(dask_client):
         for op, msg in (("run", {"function": dumps(lambda: _owned(str(proof)))}), ("get_data", {"keys": ["x"]}),
                         ("gpu_stop", {"keys": ["x"]}), ("connection_stream", {})):
             with pytest.raises(PermissionError, match="refuses"):
