@@ -190,17 +190,10 @@ def broadcast(client: Client, op: str, **msg: Any) -> dict[str, Any]:
     `dask-gpu.broadcast-seconds` (10 s) each worker is asked on its own, with
     that timeout, and the answers of those that answer are returned.
     """
-    return _broadcast(client, {"op": op, **msg})
-
-
-def _timeout() -> float:
     import dask
 
-    return float(dask.config.get(BROADCAST_SECONDS_KEY, default=10.0))
-
-
-def _broadcast(client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-    timeout = _timeout()
+    msg = {"op": op, **msg}
+    timeout = float(dask.config.get(BROADCAST_SECONDS_KEY, default=10.0))
     try:
         return client.sync(client.scheduler.broadcast, msg=msg, on_error="ignore", callback_timeout=timeout)
     except (asyncio.TimeoutError, TimeoutError):
@@ -235,7 +228,7 @@ def cluster_inventories(client: Client) -> dict[str, WorkerInventory]:
     nanny keeps its name, so a placement restricted to it stays valid.
     """
     out: dict[str, WorkerInventory] = {}
-    for address, answer in _broadcast(client, {"op": "gpu_inventory"}).items():
+    for address, answer in broadcast(client, "gpu_inventory").items():
         if isinstance(answer, dict) and "inventory" in answer:
             out[answer["name"] or address] = WorkerInventory.model_validate(answer["inventory"])
     return out
@@ -261,7 +254,7 @@ class WorkerView(BaseModel):
 def cluster_view(client: Client) -> list[WorkerView]:
     """Every GPU worker with its devices and their holders, one round trip."""
     out = []
-    for address, answer in _broadcast(client, {"op": "gpu_inventory"}).items():
+    for address, answer in broadcast(client, "gpu_inventory").items():
         if isinstance(answer, dict) and "inventory" in answer:
             out.append(WorkerView(name=answer["name"] or address, address=address, inventory=answer["inventory"],
                                   held=answer["held"], usage=answer["usage"], isolation=answer.get("isolation", ""),
