@@ -17,8 +17,8 @@ a few system calls measured in milliseconds:
   only the body and what it started, and killing it ends all of them),
 - a mount namespace with a private tmpfs on /tmp and /dev/shm, its working directory
   (a directory of its own under the bodies directory, 0700, its UID's) bound
-  on /home/body, the bodies directory itself covered, and only its own GPU
-  nodes left in /dev (dask_gpu.isolation.devices).
+  on /home/body, the bodies directory itself covered, and a /dev of its own
+  holding only its own GPU nodes (dask_gpu.isolation.devices).
 
 All of it happens as root in the body's new process before it drops to its
 own UID (dask_gpu.isolation.identity) and before it unpickles anything. The
@@ -219,16 +219,17 @@ def _private_dirs(uid: int, gid: int) -> None:
 def enter_run(uid: int, gid: int, workdir: str, devices: Iterable[int]) -> None:
     """In a body's new process (root, PID 1 of its own PID namespace): its own mount namespace and views.
 
-    A private /tmp and /dev/shm, its working directory on /home/body, the other bodies' directories covered, only its own
-    GPU nodes in /dev, and a /proc of its PID namespace. The caller then drops to `uid`."""
-    from dask_gpu.isolation.devices import keep_only
+    A /dev of its own (the standard nodes and only its own GPU nodes, on a fresh tmpfs: nothing is removed from the /dev
+    the tenant's bodies share), a private /tmp and /dev/shm, its working directory on /home/body, the other bodies'
+    directories covered, and a /proc of its PID namespace. The caller then drops to `uid`."""
+    from dask_gpu.isolation.devices import private_dev
 
     unshare(CLONE_NEWNS)
     mount("none", "/", None, MS_REC | MS_PRIVATE)
+    private_dev(devices)  # first: it covers /dev, and _private_dirs then mounts the body's tmpfs on its /dev/shm
     _private_dirs(uid, gid)
     mount(workdir, HOME, None, MS_BIND)
     mount("tmpfs", BODIES, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0000,size=4k")
-    keep_only(devices)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
