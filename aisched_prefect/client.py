@@ -8,6 +8,7 @@ gets back is a decision and opaque bytes.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -15,6 +16,8 @@ import httpx
 
 from aisched_prefect.errors import AISchedError, ConfigurationError, InvalidAIRequest
 from aisched_prefect.wire import FRAME, ApprovalView, CallMeta, Reply, frame, unframe
+
+logger = logging.getLogger("aisched_prefect")
 
 
 class ControlPlaneUnavailable(AISchedError):
@@ -105,9 +108,18 @@ class ControlPlaneClient:
         head, out = unframe(resp.content)
         reply = Reply.model_validate_json(head)
         if reply.status == "completed" and reply.result_ref is not None:  # kept on its worker: fetched from there
-            from aisched_prefect.direct import fetch_result_sync
+            from aisched_prefect.direct import fetch_result_sync, lost_report
+            from aisched_prefect.errors import ResultLost
 
-            out = fetch_result_sync(reply.result_ref, meta.task_name)
+            try:
+                out = fetch_result_sync(reply.result_ref, meta.task_name)
+            except ResultLost as exc:  # the control plane files why (best effort: the call fails with it either way)
+                try:
+                    self._send("POST", "/v1/results/lost", json=lost_report(reply.key, exc), retry_seconds=10.0)
+                except Exception as report:  # noqa: BLE001
+                    logger.warning("could not tell the control plane that the result of call %s was lost: %s",
+                                   reply.key, report)
+                raise
         return reply, out
 
     def approval(self, approval_id: str, wait: float = 0.0) -> ApprovalView:

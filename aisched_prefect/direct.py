@@ -44,8 +44,21 @@ def _url(ref: DirectResult) -> str:
 
 
 def _lost(ref: DirectResult, task: str, why: str) -> ResultLost:
-    return ResultLost(f"the result of AI task {task} could not be fetched from its worker at {ref.url} ({why}). "
-                      + FIX_LOST)
+    exc = ResultLost(f"the result of AI task {task} could not be fetched from its worker at {ref.url} ({why}). "
+                     + FIX_LOST)
+    exc.reason = why  # what the control plane is told (`lost_report`): the worker and the call it knows itself
+    return exc
+
+
+def lost_report(key: str, exc: ResultLost) -> dict[str, str]:
+    """What a flow tells the control plane (`POST /v1/results/lost`) when a result could not be fetched: the call's
+    key and why; the plane files one `result-lost` record about the run (its settlement stays as the run ran).
+
+    >>> lost_report("k", _lost(DirectResult(url="http://h:1", token="t" * 43, digest="0" * 64, size=1,
+    ...                                    expires_at=0.0), "train", "HTTP 404"))
+    {'key': 'k', 'reason': 'HTTP 404'}
+    """
+    return {"key": key, "reason": str(getattr(exc, "reason", "") or exc)[:1000]}
 
 
 def checked(ref: DirectResult, data: bytes, task: str) -> bytes:

@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 
 from aisched_prefect.control.outcomes import result_digest
-from aisched_prefect.direct import fetch_result
-from aisched_prefect.errors import AISchedError, ResultMismatch  # noqa: F401 - ResultMismatch: its old home
+from aisched_prefect.direct import fetch_result, lost_report
+from aisched_prefect.errors import AISchedError, ResultLost, ResultMismatch  # noqa: F401 - ResultMismatch: its old home
 from aisched_prefect.wire import FRAME, CallMeta, OutcomesOut, Reply, RunIn, RunsIn, frame, unframe
 
 logger = logging.getLogger("aisched_prefect")
@@ -42,6 +42,7 @@ POLL_WAIT_SECONDS = 20.0  # one long-poll, below a proxy's idle timeout
 FAILOVER_SECONDS = 3.0  # a replica's poll that fails this long sends its calls to another replica
 DOWN_SECONDS = 10.0  # a replica that failed is tried last for this long
 SUBMITS_AT_ONCE = 4  # runs requests in flight per flow process (the rest wait their turn, not a connection)
+REPORT_SECONDS = 10.0  # how long a lost result's report tries the replicas before the task fails without it
 SUBMIT_READ_SECONDS = 300.0  # a busy plane may take minutes to admit a request's calls (10,000 shards at once)
 
 
@@ -193,21 +194,32 @@ class CallStream:
     async def call(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> tuple[Reply, bytes]:
         """Submit one call (batched with its neighbours) and wait, as a coroutine, for how it ended."""
         reply = await self._accept(meta, fn_bytes, args_bytes)
+        out = b""
         if reply.status != "accepted" and reply.key and reply.key in self._arrived:
             # A submit sent again after a cut: the run ended meanwhile and its outcome came on this process's stream
             # (and was acknowledged) before the plane answered the resent submit ("done", its result delivered).
             reply, out = self._arrived.pop(reply.key)
-        elif reply.status != "accepted":
-            return reply, b""
-        else:
+        elif reply.status == "accepted":
             self._sent[reply.key] = (meta, fn_bytes, args_bytes)
             try:
                 reply, out = await self._outcome(reply.key)
             finally:
                 self._sent.pop(reply.key, None)
         if reply.status == "completed" and reply.result_ref is not None:  # kept on its worker: fetched from there
-            out = await fetch_result(reply.result_ref, meta.task_name)
+            try:
+                out = await fetch_result(reply.result_ref, meta.task_name)
+            except ResultLost as exc:
+                await self._report_lost(reply.key, exc)
+                raise
         return reply, out
+
+    async def _report_lost(self, key: str, exc: ResultLost) -> None:
+        """Tell the control plane a completed call's result could not be fetched: it files why (a `result-lost`
+        record). Best effort: the task run fails with the ResultLost either way."""
+        try:
+            await self._send("POST", "/v1/results/lost", json=lost_report(key, exc), patience=REPORT_SECONDS)
+        except Exception as report:  # noqa: BLE001 - a report that fails must not hide the lost result
+            logger.warning("could not tell the control plane that the result of call %s was lost: %s", key, report)
 
     async def _accept(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> Reply:
         loop = asyncio.get_running_loop()

@@ -97,6 +97,15 @@ class DirectResult(BaseModel):
     expires_at: float
 
 
+class ResultLostIn(BaseModel):
+    """A flow's report that a completed call's large result could not be fetched from its worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(min_length=1, max_length=300)  # the call's key (Reply.key)
+    reason: str = Field(default="", max_length=1000)  # what the last fetch attempt met
+
+
 class Reply(BaseModel):
     """How a call ended, or why it is waiting."""
 

@@ -79,3 +79,71 @@ def test_a_task_run_belongs_to_its_first_caller_and_keys_name_the_caller(ledger_
     assert call_key("auth:team-a/nightly", run, 2) != call_key("auth:team-b/etl", run, 2)
     assert call_key("x:p", run, 1) == call_key("x:p", run, 1) != call_key("x:p", run, 1, "7")
     assert len(call_key("a" * 400, "t" * 64, 99, "9" * 20)) <= 300  # fits the key column, whatever the names
+
+
+def _completed(token: str) -> dict:
+    ref = {"url": "http://10.0.0.5:4321", "token": token, "digest": "ab" * 32, "size": 3 * 2**20, "expires_at": 1e10}
+    return {"status": "completed", "key": "", "result_digest": "ab" * 32, "result_ref": ref}
+
+
+def _rows_text(ledger: Ledger) -> str:
+    with ledger.engine.connect() as conn:
+        return "\n".join(str(tuple(row)) for row in conn.execute(sa.select(calls)))
+
+
+def test_a_completed_calls_result_token_is_kept_sealed_and_opens_only_for_its_call_under_the_planes_key(ledger_url):
+    """The call book keeps a large result's digest, size, URL and expiry in clear and its one-time token sealed
+    (AES-GCM under a key derived from the plane's signing key, the call's key as associated data): the database alone
+    gives no token; the plane's key opens it for that call only; a plane with another key, or none, says why not."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from aisched_prefect.control.calls import TOKEN_PURPOSE, TokenSeal
+    from aisched_prefect.control.keys import derived_secret
+
+    ledger = Ledger(ledger_url)
+    key_file = Ed25519PrivateKey.generate()
+    seal = TokenSeal(derived_secret(key_file, TOKEN_PURPOSE))
+    a = CallBook(ledger, _name("a"), "http://a", seal=seal)
+    token, key, other = "T" * 43, _name("t"), _name("t")
+    for k in (key, other):
+        assert a.claim(k)[0] == "new"
+        a.admitted(k, {"id": "1"})
+    a.done(key, _completed(token))
+    text = _rows_text(ledger)
+    assert token not in text and "ab" * 32 in text and "http://10.0.0.5:4321" in text
+    row = a.get(key)
+    assert "token" not in row.reply["result_ref"] and row.reply["result_ref"]["sealed_token"].startswith("aesgcm1:")
+    # Another replica with the same key file opens it: a flow re-attaching there gets its reference back.
+    b = CallBook(ledger, _name("b"), "http://b", seal=TokenSeal(derived_secret(key_file, TOKEN_PURPOSE)))
+    opened, why = b.reply(key, b.get(key).reply)
+    assert why == "" and opened["result_ref"]["token"] == token and opened["result_ref"]["size"] == 3 * 2**20
+    # Moved into another call's row (someone who can write the database), it does not open for that call.
+    with ledger.engine.begin() as conn:
+        conn.execute(calls.update().where(calls.c.key == other).values(status="done", reply=row.reply))
+    moved, why = b.reply(other, b.get(other).reply)
+    assert "result_ref" not in moved and "does not open with this control plane's key" in why
+    # Another plane's key, or none: no token, and the reason is named.
+    stranger = TokenSeal(derived_secret(Ed25519PrivateKey.generate(), TOKEN_PURPOSE))
+    assert "does not open" in CallBook(ledger, _name("c"), "http://c", seal=stranger).reply(key, row.reply)[1]
+    assert "no key to open" in CallBook(ledger, _name("d"), "http://d").reply(key, row.reply)[1]
+    # A book without a seal keeps no token at all.
+    plain, k2 = CallBook(ledger, _name("e"), "http://e"), _name("t")
+    plain.claim(k2)
+    plain.done(k2, _completed(token))
+    assert token not in _rows_text(ledger) and "keeps no token" in plain.reply(k2, plain.get(k2).reply)[1]
+
+
+def test_tokens_an_older_plane_wrote_in_clear_are_sealed_when_a_plane_starts(ledger_url):
+    from aisched_prefect.control.calls import TokenSeal
+
+    ledger = Ledger(ledger_url)
+    old = CallBook(ledger, _name("old"), "http://old")
+    key = _name("t")
+    old.claim(key)
+    with ledger.engine.begin() as conn:  # as a plane before the seal filed it
+        conn.execute(calls.update().where(calls.c.key == key).values(status="done", reply=_completed("C" * 43)))
+    assert "C" * 43 in _rows_text(ledger)
+    seal = TokenSeal(bytes(range(32)))
+    new = CallBook(ledger, _name("new"), "http://new", seal=seal)
+    assert "C" * 43 not in _rows_text(ledger)
+    assert new.reply(key, new.get(key).reply)[0]["result_ref"]["token"] == "C" * 43

@@ -13,12 +13,14 @@ import hashlib
 import os
 import pickle
 import socket
+import threading
+import time
 
 import httpx
 import pytest
 
 from aisched_prefect import direct
-from aisched_prefect.control import outcomes
+from aisched_prefect.control import calls, keys, outcomes
 from aisched_prefect.control.outcomes import direct_reply, result_evidence
 from aisched_prefect.errors import ResultLost, ResultMismatch
 from aisched_prefect.wire import DirectResult, Reply
@@ -52,7 +54,7 @@ class Tripwire:
 
 
 def test_the_modules_examples_hold():
-    for module in (results, direct, outcomes):
+    for module in (results, direct, outcomes, calls, keys):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 
@@ -172,28 +174,172 @@ def test_a_reply_whose_reference_disagrees_with_its_digest_is_refused(listener):
         DirectResult.model_validate({**kept.model_dump(), "extra": 1})
 
 
-def test_a_flood_of_idle_connections_is_refused_not_queued():
-    kept = DirectResults(ResultSettings(min_bytes=1, max_connections=2), "127.0.0.1")
+def _address(kept: DirectResults) -> tuple[str, int]:
+    host, port = kept.base_url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Whether the listener closed `sock` within `within` seconds (an EOF or a reset), reading what it sent."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_connection_that_finds_every_slot_serving_a_fetch_is_closed_at_once():
+    kept = DirectResults(ResultSettings(min_bytes=1, max_connections=2, max_per_peer=2), "127.0.0.1")
+    try:
+        host, port = _address(kept)
+        big = [kept.hold(os.urandom(32 * MiB), ttl=60) for _ in range(2)]
+        slow = []  # two fetches whose clients do not read: both slots serve a fetch (blocked on its write)
+        for ref in big:
+            s = socket.create_connection((host, port))
+            s.sendall(f"GET /results/{ref.token} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            slow.append(s)
+        wait_until(lambda: kept.store.stats()["results"] == 0, 10, what="both fetches to begin")
+        with socket.create_connection((host, port)) as extra:  # nothing to take a slot from
+            assert _closed_by_server(extra, 5)
+        assert kept.connections()["refused"] >= 1 and kept.connections()["connections"] == 2
+        for s, ref in zip(slow, big):  # the fetches go on: each reads its whole result
+            s.settimeout(20)
+            got = b""
+            while chunk := s.recv(2**20):
+                got += chunk
+            s.close()
+            assert hashlib.sha256(got.split(b"\r\n\r\n", 1)[1]).hexdigest() == ref.digest
+        small = kept.hold(b"payload", ttl=60)
+        assert wait_until(lambda: kept.connections()["connections"] == 0, 10, what="the slots to be free")
+        assert httpx.get(f"{small.url}/results/{small.token}", trust_env=False).content == b"payload"
+    finally:
+        kept.close()
+
+
+def test_a_client_that_trickles_its_request_is_cut_at_one_deadline_for_all_of_it():
+    kept = DirectResults(ResultSettings(min_bytes=1, request_seconds=1.5), "127.0.0.1")
     try:
         ref = kept.hold(b"payload", ttl=60)
-        host, port = kept.base_url.removeprefix("http://").split(":")
-        idle = [socket.create_connection((host, int(port))) for _ in range(2)]  # hold every slot, send nothing
+        request = f"GET /results/{ref.token} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        with socket.create_connection(_address(kept)) as s:
+            began = time.monotonic()
+            s.settimeout(0.25)
+            cut = None
+            for byte in request:  # a byte every 0.25 s: each read is quick, the whole request would take 14 s
+                try:
+                    s.sendall(bytes([byte]))
+                    if s.recv(1) == b"":
+                        cut = time.monotonic() - began
+                        break
+                except TimeoutError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    cut = time.monotonic() - began
+                    break
+        assert cut is not None and 1.4 < cut < 4, cut  # at the deadline for the whole request, not per read
+        assert kept.store.stats()["results"] == 1  # nothing was served to it
+        assert httpx.get(f"{ref.url}/results/{ref.token}", trust_env=False).content == b"payload"
+    finally:
+        kept.close()
+
+
+def test_one_address_holds_at_most_its_share_of_the_slots():
+    kept = DirectResults(ResultSettings(min_bytes=1, max_connections=8), "127.0.0.1")  # a share of 8 // 4 = 2
+    try:
+        host, port = _address(kept)
+        neighbour = [socket.create_connection((host, port), source_address=("127.0.0.2", 0)) for _ in range(6)]
         try:
-            def slots_taken() -> bool:
-                with socket.create_connection((host, int(port))) as extra:
-                    extra.settimeout(5)
-                    return extra.recv(1) == b""  # closed at once, no thread for it
-            assert slots_taken()
+            wait_until(lambda: kept.connections()["evicted"] == 4, 10, what="its older connections to give way")
+            assert kept.connections()["peers"] == {"127.0.0.2": 2}
+            # Each of its new connections took the slot of its own oldest: the first four are closed, two are held.
+            assert [_closed_by_server(s, 0.3) for s in neighbour] == [True] * 4 + [False] * 2
+            ref = kept.hold(b"payload", ttl=60)
+            assert direct.fetch_result_sync(_ref(ref), "small", attempts=1) == b"payload"  # another address: room
         finally:
-            for s in idle:
+            for s in neighbour:
+                s.close()
+    finally:
+        kept.close()
+
+
+class SlowLoris:
+    """Connections from `addresses` that each send one byte of a request every `every` seconds and never finish it,
+    reconnecting as soon as the listener closes one: a neighbour trying to hold every slot of the listener."""
+
+    def __init__(self, target: tuple[str, int], addresses: list[str], per_address: int, every: float = 3.0) -> None:
+        self.target, self.addresses, self.per_address, self.every = target, addresses, per_address, every
+        self.stop = threading.Event()
+        self.connects = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _open(self, address: str) -> socket.socket | None:
+        try:
+            s = socket.create_connection(self.target, timeout=2, source_address=(address, 0))
+        except OSError:
+            return None
+        s.setblocking(False)
+        self.connects += 1
+        return s
+
+    def _run(self) -> None:
+        held: list[tuple[str, socket.socket | None]] = [(a, None) for a in self.addresses for _ in range(self.per_address)]
+        sent = 0
+        last = 0.0
+        while not self.stop.is_set():
+            drip = time.monotonic() - last >= self.every
+            if drip:
+                last, sent = time.monotonic(), sent + 1
+            for i, (address, s) in enumerate(held):
+                if s is not None:
+                    try:
+                        if s.recv(1) == b"":  # closed by the listener
+                            s.close()
+                            s = None
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        s.close()
+                        s = None
+                if s is None:
+                    s = self._open(address)
+                elif drip:
+                    try:
+                        s.send(b"GET /results/"[sent % 13:sent % 13 + 1] or b"x")
+                    except OSError:
+                        pass
+                held[i] = (address, s)
+            self.stop.wait(0.02)
+        for _, s in held:
+            if s is not None:
                 s.close()
 
-        def served() -> bytes | None:  # the idle ones' threads end once we closed them
-            try:
-                return httpx.get(f"{ref.url}/results/{ref.token}", trust_env=False).content
-            except httpx.HTTPError:
-                return None
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
 
-        assert wait_until(served, 20, what="the listener serving again") == b"payload"
+
+def test_a_slow_loris_holding_many_connections_does_not_stop_a_fetch():
+    kept = DirectResults(ResultSettings(min_bytes=1), "127.0.0.1")  # 16 slots, 4 per address, 10 s per request
+    try:
+        # 40 connections from five addresses, the fetching process's own included (a body on the flow's host).
+        loris = SlowLoris(_address(kept), [f"127.0.0.{i}" for i in range(1, 6)], per_address=8)
+        try:
+            wait_until(lambda: kept.connections()["connections"] == 16, 20, what="the slow loris to fill every slot")
+            for _ in range(3):
+                data = os.urandom(2 * MiB)
+                ref = _ref(kept.hold(data, ttl=60))
+                began = time.monotonic()
+                assert direct.fetch_result_sync(ref, "big") == data
+                assert time.monotonic() - began < 3
+                assert kept.connections()["connections"] >= 15  # it still holds the rest: the attack went on
+            assert loris.connects > 40  # it kept reconnecting
+            assert set(kept.connections()["peers"].values()) <= {1, 2, 3, 4}  # no address above its share
+        finally:
+            loris.close()
     finally:
         kept.close()

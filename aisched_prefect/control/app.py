@@ -37,7 +37,7 @@ from aisched_prefect.control.service import ControlPlane, Unauthorized
 from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable, RequestTooLarge
 from aisched_prefect.ledger.engine import database_errors, described, retryable
 from aisched_prefect.settings import Settings
-from aisched_prefect.wire import FRAME, CallMeta, OutcomeOut, OutcomesOut, Problem, RunsIn, frame, unframe
+from aisched_prefect.wire import FRAME, CallMeta, OutcomeOut, OutcomesOut, Problem, ResultLostIn, RunsIn, frame, unframe
 from blocks import ChainBroken, DelegationRefused
 
 THREADS = 2000  # calls wait (on Dask, on people) in threads: one per call in flight
@@ -361,6 +361,13 @@ def build_app(plane: ControlPlane) -> FastAPI:
         head = OutcomesOut(outcomes=[OutcomeOut(key=k.key, seq=k.seq, reply=k.reply, length=len(k.out)) for k in kept],
                            pending=pending, replica=plane.replica)
         return Response(frame(head.model_dump_json().encode(), b"".join(k.out for k in kept)), media_type=FRAME)
+
+    @app.post("/v1/results/lost")
+    async def result_lost(body: ResultLostIn, request: Request) -> dict[str, Any]:
+        """A flow could not fetch a completed call's large result from its worker: one `result-lost` record says why
+        (its settlement stays as it ran). Only the call's own caller may report it."""
+        cred = plane.authenticate(_token(request), "flow")
+        return await run(plane.result_lost, cred, body.key, body.reason)
 
     @app.get("/v1/approvals")
     async def approvals(request: Request) -> list[dict[str, Any]]:

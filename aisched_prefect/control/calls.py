@@ -8,15 +8,29 @@ key owned by a live replica answers "busy" (the client waits); one that finds
 it owned by a dead replica (no heartbeat for `alive_seconds`) takes it over
 and runs the same admission again, with its holds, so a run is admitted once
 and settled once whichever replica finishes it.
+
+A completed call's reply is kept here so that a flow re-attaching after a
+replica died or restarted gets it. A reply whose large result stays on its
+worker (dask_gpu.results) names it with a one-time token, which is a
+capability: whoever holds it can take the result first. The book keeps the
+digest, size, URL and expiry in clear and the token only sealed (AES-256-GCM
+under a key derived from the plane's signing key, which lives in its key file,
+not in the database; the call's key is the associated data, so a sealed token
+opens only for the call it was sealed for). A row read from the database alone
+gives no token.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import os
 import time
 from typing import Any, Literal
 
 import sqlalchemy as sa
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from aisched_prefect.errors import AISchedError
 from aisched_prefect.ledger import Ledger
@@ -72,20 +86,115 @@ def insert_new(conn: Any, table: sa.Table, values: dict[str, Any]) -> bool:
     return conn.execute(insert(table).values(values).on_conflict_do_nothing().returning(key)).first() is not None
 
 
+def _caller(who: str) -> str:
+    return hashlib.sha256(who.encode()).hexdigest()[:24]
+
+
+def callers_key(who: str, key: str) -> bool:
+    """Whether call `key` was made by `who` (its first part names the caller)."""
+    return key.startswith(_caller(who) + "/")
+
+
 def call_key(who: str, task_run_id: str, attempt: int, admission: str | None = None) -> str:
     """The key a call is claimed and its reply stored under: the caller's identity (authority and principal, as
     `who`), then the task run, attempt and admission the flow sends. Another caller's key is never this one, so a
     stored reply goes back only to the caller that made the call, and nobody can claim a call ahead of its owner."""
-    caller = hashlib.sha256(who.encode()).hexdigest()[:24]
-    return f"{caller}/{task_run_id}/{attempt}" + (f"/{admission}" if admission else "")
+    return f"{_caller(who)}/{task_run_id}/{attempt}" + (f"/{admission}" if admission else "")
+
+
+TOKEN_PURPOSE = "call-book/result-tokens/1"  # what the sealing key is derived for (keys.derived_secret)
+
+
+class TokenSeal:
+    """Seals a result token for the call book: AES-256-GCM, a random nonce each time, the call's key as associated
+    data (a sealed token copied into another call's row does not open).
+
+    >>> seal = TokenSeal(bytes(32))
+    >>> sealed = seal.seal("k1", "secret-token")
+    >>> "secret" in sealed, seal.open("k1", sealed), seal.open("k2", sealed), TokenSeal(b"x" * 32).open("k1", sealed)
+    (False, 'secret-token', None, None)
+    """
+
+    PREFIX = "aesgcm1:"
+
+    def __init__(self, secret: bytes) -> None:
+        self._aead = AESGCM(secret)
+
+    def seal(self, call: str, token: str) -> str:
+        nonce = os.urandom(12)
+        return self.PREFIX + base64.urlsafe_b64encode(nonce + self._aead.encrypt(nonce, token.encode(), call.encode())
+                                                      ).decode()
+
+    def open(self, call: str, sealed: str) -> str | None:
+        """The token, or None: not sealed by this key, or sealed for another call, or altered."""
+        if not sealed.startswith(self.PREFIX):
+            return None
+        try:
+            raw = base64.urlsafe_b64decode(sealed[len(self.PREFIX):])
+            return self._aead.decrypt(raw[:12], raw[12:], call.encode()).decode()
+        except (ValueError, InvalidTag, UnicodeDecodeError):
+            return None
 
 
 class CallBook:
-    def __init__(self, ledger: Ledger, replica: str, url: str, alive_seconds: float = 5.0) -> None:
+    def __init__(self, ledger: Ledger, replica: str, url: str, alive_seconds: float = 5.0,
+                 seal: TokenSeal | None = None) -> None:
+        """`seal`: how result tokens are kept (None: not at all; a completed call re-attached to then finds its
+        large result lost, and is told why)."""
         self.ledger, self.replica, self.url, self.alive_seconds = ledger, replica, url, alive_seconds
+        self.seal = seal
         self._owners: dict[str, str] = {}  # flow run id -> its principal (an owner never changes)
         metadata.create_all(ledger.engine, checkfirst=True)
         self.heartbeat()
+        self.seal_clear_tokens()
+
+    # -- result tokens -------------------------------------------------------------------------------
+    def _stored(self, key: str, reply: dict[str, Any]) -> dict[str, Any]:
+        """What the book keeps of `reply`: its result's token sealed (or left out), everything else as it is."""
+        ref = reply.get("result_ref")
+        if not isinstance(ref, dict) or "token" not in ref:
+            return reply
+        ref = dict(ref)
+        token = ref.pop("token")
+        if self.seal is not None and isinstance(token, str):
+            ref["sealed_token"] = self.seal.seal(key, token)
+        return {**reply, "result_ref": ref}
+
+    def reply(self, key: str, stored: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """A done call's reply as it was sent, its result token opened; if it cannot be, the reply without its result
+        reference and why (for a ResultLost the caller names)."""
+        ref = stored.get("result_ref")
+        if not isinstance(ref, dict):
+            return stored, ""
+        ref = dict(ref)
+        sealed = ref.pop("sealed_token", None)
+        ref.pop("token", None)  # a row written in clear by an older plane: never trusted or handed on
+        token = self.seal.open(key, sealed) if self.seal is not None and isinstance(sealed, str) else None
+        if token is None:
+            if not isinstance(sealed, str):
+                why = "the call book keeps no token for it (it was filed without one)"
+            elif self.seal is None:
+                why = "this control plane has no key to open the token the call book keeps sealed"
+            else:
+                why = ("its sealed token does not open with this control plane's key (the key file was replaced, or "
+                       "the row was altered)")
+            return {k: v for k, v in stored.items() if k != "result_ref"}, why
+        return {**stored, "result_ref": {**ref, "token": token}}, ""
+
+    def seal_clear_tokens(self) -> int:
+        """Rows an older plane wrote with a result token in clear: sealed (or stripped) now; how many."""
+        clear = sa.cast(calls.c.reply, sa.Text).like('%"token"%')
+        with self.ledger.reader.connect() as conn:
+            rows = conn.execute(sa.select(calls.c.key, calls.c.reply).where((calls.c.status == "done") & clear)).all()
+        fixed = 0
+        for row in rows:
+            if isinstance(row.reply, dict) and isinstance(row.reply.get("result_ref"), dict) \
+                    and "token" in row.reply["result_ref"]:
+                stored = self._stored(row.key, row.reply)
+                with self.ledger.engine.begin() as conn:
+                    conn.execute(calls.update().where(calls.c.key == row.key).values(reply=stored))
+                fixed += 1
+        return fixed
 
     def heartbeat(self) -> None:
         now = time.time()
@@ -141,6 +250,11 @@ class CallBook:
     def _owner(self, flow_run_id: str, principal: str) -> str:
         return self._first(flow_runs, flow_runs.c.flow_run_id, flow_run_id, principal)
 
+    def get(self, key: str) -> Any:
+        """The call's row, or None."""
+        with self.ledger.reader.connect() as conn:
+            return conn.execute(sa.select(calls).where(calls.c.key == key)).first()
+
     def claim(self, key: str) -> tuple[Claim, Any]:
         """Own `key`: new, taken over from a dead replica, busy on a live one, or already done."""
         now = time.time()
@@ -176,7 +290,9 @@ class CallBook:
             raise CallTakenOver(f"call {key} was taken over by another replica")
 
     def done(self, key: str, reply: dict[str, Any]) -> None:
+        """File a call's reply (its result token sealed: `_stored`)."""
         now = time.time()
+        reply = self._stored(key, reply)
         self.ledger.write(lambda conn: conn.execute(calls.update().where(calls.c.key == key)
                                                     .values(status="done", reply=reply, updated_at=now)))
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import (
     Encoding,
     NoEncryption,
@@ -38,3 +40,15 @@ def load_or_make_key(path: Path) -> Ed25519PrivateKey:
     key = Ed25519PrivateKey.generate()
     write_private(path, key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
     return key
+
+
+def derived_secret(key: Ed25519PrivateKey, purpose: str) -> bytes:
+    """A 256-bit secret for one purpose, derived from the signing key (HKDF-SHA256, `purpose` as its info): every
+    replica that holds the key file derives the same one, and nothing kept in the database gives it.
+
+    >>> k = Ed25519PrivateKey.generate()
+    >>> derived_secret(k, "a") == derived_secret(k, "a") != derived_secret(k, "b"), len(derived_secret(k, "a"))
+    (True, 32)
+    """
+    raw = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=f"aisched/{purpose}".encode()).derive(raw)

@@ -77,6 +77,20 @@ class AttemptLost(_Payload):
     taken_over_by: str
 
 
+class ResultLostRecord(_Payload):
+    """A completed run's large result its flow could not fetch from the worker that kept it. Its settlement stays as
+    the run ran (charged): this record, about the same admission, marks it."""
+
+    kind: Literal["result-lost"] = "result-lost"
+    call: str  # the call's key at the control plane
+    task: str
+    admission: str
+    worker: str  # the listener the result was kept on (from the call book, not from the flow)
+    reason: str  # what the flow's last fetch attempt met (its words, bounded)
+    settlement: int | None = None  # the settlement record it marks
+    reported_by: str
+
+
 AUTHORITY_KINDS: dict[str, type[_Payload]] = {
     "credential-issued": CredentialIssued, "credential-revoked": CredentialRevoked, "config-applied": ConfigApplied,
     "delegation": Delegation, "revocation": Revocation,
@@ -95,8 +109,8 @@ def parse(kind: str, payload: dict[str, Any]) -> _Payload:
     data = dict(payload)
     if kind in ("config-applied", "config-drift") and "kind" in data:
         data["config_kind"] = data.pop("kind")
-    return AUTHORITY_KINDS.get(kind, {"config-drift": ConfigDrift, "attempt-lost": AttemptLost}.get(kind, _Payload)
-                               ).model_validate(data)
+    return AUTHORITY_KINDS.get(kind, {"config-drift": ConfigDrift, "attempt-lost": AttemptLost,
+                                      "result-lost": ResultLostRecord}.get(kind, _Payload)).model_validate(data)
 
 
 def record(ledger: Ledger, payload: _Payload, *, principal: str | None = None, flow_run_id: str | None = None,
