@@ -17,16 +17,23 @@ from distributed import Worker
 
 from dask_gpu.gate import gate_worker
 from dask_gpu.inventory import discover
+from dask_gpu.isolation import plan_for
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
 from dask_gpu.tickets import trusted_keys_from_env
 
 
 async def dask_setup(worker: Worker) -> None:
-    inventory = discover()
-    for name, quantity in inventory.resources().items():
-        # Runs before registration: the scheduler learns these with the worker.
-        held = worker.state.total_resources.get(name, 0.0) - worker.state.available_resources.get(name, 0.0)
-        worker.state.total_resources[name] = quantity
-        worker.state.available_resources[name] = quantity - held
-    await worker.plugin_add(GPUWorkerPlugin(inventory, trusted_keys_from_env()), name=PLUGIN_NAME)
-    gate_worker(worker)  # on TLS: only the scheduler and the control plane may run code here or read its data
+    try:
+        # The mode first: on a worker that may not run bodies (unisolated without its one tenant, `isolated` where
+        # that cannot be had) this raises before any GPU is advertised or the plugin installed, so nothing is placed
+        # there and no ticket redeemed (Dask logs a preload's error and starts the worker anyway).
+        plan_for()
+        inventory = discover()
+        for name, quantity in inventory.resources().items():
+            # Runs before registration: the scheduler learns these with the worker.
+            held = worker.state.total_resources.get(name, 0.0) - worker.state.available_resources.get(name, 0.0)
+            worker.state.total_resources[name] = quantity
+            worker.state.available_resources[name] = quantity - held
+        await worker.plugin_add(GPUWorkerPlugin(inventory, trusted_keys_from_env()), name=PLUGIN_NAME)
+    finally:  # whatever failed above: on TLS only the scheduler and the control plane may run code or read data here
+        gate_worker(worker)

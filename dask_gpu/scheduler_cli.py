@@ -14,10 +14,18 @@ the scheduler is trusted.
 
 It listens where it is told and nowhere else: without `--host` (or
 `--interface`) on 127.0.0.1 only (`--host 0.0.0.0` for other hosts to reach
-it), and its HTTP server (the dashboard with bokeh installed, and /health,
-with or without `--no-dashboard`) on 127.0.0.1:8787 unless
-`--dashboard-address` says otherwise. `dask scheduler` would take every
-interface for both. Every other option is `dask scheduler`'s own.
+it), and its HTTP server on 127.0.0.1:8787 unless `--dashboard-address` says
+otherwise. `dask scheduler` would take every interface for both.
+
+Its HTTP server answers `/health` and nothing else: Dask's other routes
+(`/info`, `/json`, `/metrics`, `/eventstream`, the proxy, the bokeh dashboard)
+show every task's key, the workers and the logs to whoever reaches the port,
+without a login or a certificate. `--dashboard` turns them on (Dask's
+`distributed.scheduler.http.routes`, and the bokeh dashboard where it is
+installed), on this host's loopback only: a `--dashboard-address` that is not
+a loopback address is refused with it (reach it through an SSH tunnel).
+`--jupyter` (a Python server for whoever reaches that port) is refused. Every
+other option is `dask scheduler`'s own.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ from dask_gpu.worker_cli import take_option
 PRELOAD = "dask_gpu.scheduler_preload"
 DASHBOARD = "127.0.0.1:8787"
 """Where the scheduler's HTTP server listens unless --dashboard-address says: it has no authentication."""
+ROUTES_KEY = "distributed.scheduler.http.routes"
+HEALTH_ONLY = ("distributed.http.health",)
+"""The scheduler's HTTP routes unless the operator turns the dashboard on: Dask's others serve the task keys."""
 
 
 def listen_defaults(args: list[str]) -> list[str]:
@@ -42,6 +53,56 @@ def listen_defaults(args: list[str]) -> list[str]:
     if not given("--dashboard-address"):
         out += ["--dashboard-address", DASHBOARD]
     return out
+
+
+def _option_value(args: list[str], name: str) -> str | None:
+    """The value of the last `name VALUE` / `name=VALUE` in `args` (None: not given)."""
+    found = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith(name + "="):
+            found = a.split("=", 1)[1]
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    """Whether every host of a `--dashboard-address` (HOST:PORT[,HOST:PORT...]) is a loopback address.
+
+    >>> [is_loopback(a) for a in ("127.0.0.1:8787", "localhost:0", ":8787", "8787", "0.0.0.0:8787", "10.0.0.5:8787")]
+    [True, True, False, False, False, False]
+    """
+    import ipaddress
+
+    hosts = [part.rsplit(":", 1)[0] if ":" in part else "" for part in address.split(",")]
+    for host in hosts:
+        if host == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(host.strip("[]")).is_loopback:
+                return False
+        except ValueError:  # "" (every interface, or the scheduler's host) or a name: not loopback for sure
+            return False
+    return bool(hosts)
+
+
+def http_options(args: list[str], prog: str) -> bool:
+    """Take `--dashboard`/`--no-dashboard` from `args` (after `listen_defaults`): whether the operator turned the
+    dashboard on. Refuses it on an address beyond loopback, and `--jupyter` always (one line each, with the fix)."""
+    on = "--dashboard" in args
+    if on and "--no-dashboard" in args:
+        sys.exit(f"{prog}: --dashboard and --no-dashboard were both given; give one")
+    args[:] = [a for a in args if a not in ("--dashboard", "--no-dashboard")]
+    if "--jupyter" in args:
+        sys.exit(f"{prog}: --jupyter serves a Python server to whoever reaches the HTTP port, without a login: it is "
+                 "not offered. Fix: leave --jupyter out")
+    address = _option_value(args, "--dashboard-address") or DASHBOARD
+    if on and not is_loopback(address):
+        sys.exit(f"{prog}: --dashboard shows every task, worker and log without a login, so it listens on this "
+                 f"host's loopback only, not --dashboard-address {address}. Fix: --dashboard-address {DASHBOARD} "
+                 f"and an SSH tunnel (ssh -L 8787:{DASHBOARD} SCHEDULER-HOST), or leave --dashboard out "
+                 "(/health only, on any address)")
+    return on
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,9 +125,22 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{prog}: TLS files in {d}: workers need ca.pem, cluster.pem, cluster.key (dask-gpu-worker --tls-dir); "
               "the control plane needs ca.pem, client.pem, client.key (aisched serve --dask-tls)", file=sys.stderr,
               flush=True)
+    args = listen_defaults(args)
+    dashboard = http_options(args, prog)
+    address = _option_value(args, "--dashboard-address")
+    if dashboard:
+        print(f"{prog}: HTTP on {address}: the dashboard, /info, /json, /metrics and /health (--dashboard; no login: "
+              "loopback only)", file=sys.stderr, flush=True)
+    else:
+        import dask
+
+        dask.config.set({ROUTES_KEY: list(HEALTH_ONLY)})  # whatever a dask config file says: this is the scheduler
+        print(f"{prog}: HTTP on {address}: /health only (--dashboard for Dask's dashboard and routes, on loopback)",
+              file=sys.stderr, flush=True)
     from distributed.cli.dask_scheduler import main as dask_scheduler
 
-    dask_scheduler.main(args=[*listen_defaults(args), "--preload", PRELOAD], prog_name=prog)
+    dask_scheduler.main(args=[*args, "--dashboard" if dashboard else "--no-dashboard", "--preload", PRELOAD],
+                        prog_name=prog)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,7 +17,8 @@ The tenant boundary (dask_gpu.isolation; dask config `dask-gpu.isolation.*`):
 
     --isolation auto|isolated|unisolated|shared   auto (default): isolated when run as root with bubblewrap
     --body-uids 20000-20999                        the UIDs bodies run under (isolated)
-    --tenant NAME                                  serve this tenant's bodies only
+    --tenant NAME                                  serve this tenant's bodies only (required where the
+                                                   worker does not isolate: it refuses to start without it)
     --device-nodes DIR                             where this host's nvidia* device nodes are (default /dev)
 
 Every other option is `dask worker`'s own.

@@ -21,24 +21,37 @@ def test_settings_name_the_field_and_the_fix():
 
 
 def test_a_worker_that_cannot_isolate_says_why_and_isolated_is_never_a_silent_downgrade(tmp_path):
-    missing = IsolationSettings(bwrap=str(tmp_path / "no-bwrap"))
+    missing = IsolationSettings(bwrap=str(tmp_path / "no-bwrap"), tenant="team-a")
     plan = plan_for(missing)
     assert plan.mode == "unisolated" and "bubblewrap is not installed" in plan.why
-    assert "refuses others" in plan.describe()
+    assert "serves tenant team-a only" in plan.describe()
     with pytest.raises(IsolationError, match="Fix: run the worker as root with bubblewrap"):
         plan_for(missing.model_copy(update={"mode": "isolated"}))
     assert plan_for(IsolationSettings(mode="shared")).mode == "shared"
 
 
+def test_an_unisolated_worker_has_its_one_tenant_fixed_at_start(tmp_path):
+    """No tenant learned from the first body (a nanny's restart would forget it): without --tenant it does not start."""
+    fallback = IsolationSettings(bwrap=str(tmp_path / "no-bwrap"))  # auto, on a host that cannot isolate
+    for settings, said in ((fallback, "cannot isolate bodies (bubblewrap is not installed"),
+                           (IsolationSettings(mode="unisolated"), "--isolation unisolated serves one tenant")):
+        with pytest.raises(IsolationError) as refused:
+            plan_for(settings)
+        message = str(refused.value)
+        assert said in message and "Fix: start it for that tenant (--tenant NAME" in message and "\n" not in message
+    assert plan_for(IsolationSettings(mode="unisolated", tenant="team-a")).settings.tenant == "team-a"
+
+
 def test_an_unisolated_worker_serves_one_tenant():
-    first_come = TenantGate(IsolationPlan(mode="unisolated", why="not root"))
-    first_come.admit("team-a", "r1")
-    first_come.admit("team-a", "r2")
-    with pytest.raises(TenantRefused, match="serves tenant 'team-a' only.*already ran that tenant's"):
-        first_come.admit("team-b", "r3")
     started_for = TenantGate(IsolationPlan(mode="unisolated", why="not root", settings=IsolationSettings(tenant="t")))
-    with pytest.raises(TenantRefused, match="started for that tenant"):
+    started_for.admit("t", "r0")
+    with pytest.raises(TenantRefused, match="serves tenant 't' only, because it was started for that tenant"):
         started_for.admit("team-a", "r1")
+    nobody = TenantGate(IsolationPlan(mode="unisolated", why="not root"))  # a plan made without plan_for's check
+    for tenant in ("team-a", "team-a", ""):
+        with pytest.raises(TenantRefused, match="started for no tenant.*--tenant NAME"):
+            nobody.admit(tenant, "r")
+    assert "serves no tenant" in nobody.plan.describe()
     isolated = TenantGate(IsolationPlan(mode="isolated"))
     for tenant in ("team-a", "team-b", ""):
         isolated.admit(tenant, "r")
@@ -137,7 +150,7 @@ def test_auto_does_not_pick_a_sandbox_this_host_cannot_make(tmp_path):
     fake = tmp_path / "bwrap"
     fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
     fake.chmod(0o755)
-    plan = plan_for(IsolationSettings(bwrap=str(fake)))
+    plan = plan_for(IsolationSettings(bwrap=str(fake), tenant="team-a"))
     assert plan.mode == "unisolated"
     if os.geteuid() == 0:
         assert "cannot make a sandbox on this host: bwrap: No permissions" in plan.why

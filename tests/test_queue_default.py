@@ -34,9 +34,6 @@ def half(i):
     return i
 
 
-GPUS = {"train": 2.0, "embed": 1.0, "half": 0.5}
-
-
 def test_every_gpu_run_reaches_dask_only_when_it_can_start(control_plane, dask_client):
     """Whole, memory-sized and fractional runs at once: what Dask holds on each worker never exceeds its GPUs, so
     no run waits inside Dask behind another (the control plane's runner was given no queue= at all)."""
@@ -45,13 +42,17 @@ def test_every_gpu_run_reaches_dask_only_when_it_can_start(control_plane, dask_c
     busy: list = []
     stop = threading.Event()
 
+    def gpus_processing(dask_scheduler) -> dict:
+        """Worker -> GPUs of the admitted runs Dask processes there (their resource annotation: keys are opaque)."""
+        return {ws.address: sum((ts.resource_restrictions or {}).get("GPU", 0.0) for ts in ws.processing
+                                if str(ts.key).startswith("aisched-")) for ws in dask_scheduler.workers.values()}
+
     def watch():
         while not stop.is_set():
-            for addr, keys in dask_client.processing().items():
-                held = sum(GPUS.get(str(k).split("-")[1], 0) for k in keys if str(k).startswith("aisched-"))
+            for addr, held in dask_client.run_on_scheduler(gpus_processing).items():
                 busy.append(held)
                 if held > workers.get(addr, 0):
-                    over.append((addr, keys))
+                    over.append((addr, held))
             time.sleep(0.05)
 
     t = tenant(control_plane)
