@@ -82,6 +82,16 @@ def signature_valid(public_hex: str, digest: str, decision: ApprovalDecision) ->
         return False
 
 
+def call_signature(fn: Any) -> Any:
+    """The signature a call of an AI task binds to: a function's, or a callable class's `__call__` (without self)."""
+    import inspect
+
+    if isinstance(fn, type):
+        sig = inspect.signature(fn.__call__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+    return inspect.signature(fn)
+
+
 def parameters_summary(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, str]:
     """Each argument of a call by name, as short text an approver reads (at most 32, each at most 200 characters).
 
@@ -95,7 +105,7 @@ def parameters_summary(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     short = reprlib.Repr()
     short.maxstring, short.maxother, short.maxlist, short.maxdict = 120, 120, 8, 8
     try:
-        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+        bound = call_signature(fn).bind_partial(*args, **kwargs)
         bound.apply_defaults()
         items = list(bound.arguments.items())
     except (TypeError, ValueError):

@@ -503,6 +503,9 @@ def workers(as_json: bool = typer.Option(False, "--json"),
         for run in w["runs"].values():
             for d in run["devices"]:
                 by_device.setdefault(d, []).append(f"{run['task']} ({run.get('principal', '?')})")
+        for body in w.get("warm", []):  # idle warm bodies keep their share until their keep-warm time passes
+            for d in body["devices"]:
+                by_device.setdefault(d, []).append(f"warm body ({body['tenant']}, idle {body['idle']:.0f}s)")
         for d in w["inventory"]["devices"]:
             key = str(d["index"]) if d.get("mig") is None else f"{d['index']}:{d['mig']}"
             used, gb = w["usage"].get(key, (0.0, 0.0))
@@ -783,7 +786,7 @@ def _flow_names_from_prefect(flow_run_ids: set[str]) -> dict[str, str]:
 
 @app.command()
 def report(
-    by: str = typer.Option("tenant", "--by", help="Group by tenant, principal, flow, model, gpu-type or day."),
+    by: str = typer.Option("tenant", "--by", help="Group by tenant, principal, flow, model, gpu-type, kind (warm-idle: warm bodies' idle time) or day."),
     since: Optional[str] = typer.Option(None, "--since", help="Runs settled from then on: YYYY-MM-DD or ISO 8601 (UTC)."),
     until: Optional[str] = typer.Option(None, "--until", help="Runs settled before then; a bare date includes that day."),
     flow_run: Optional[str] = typer.Option(None, "--flow-run", help="Only the AI runs of this flow run."),

@@ -18,6 +18,8 @@ _KIND = re.compile(r"^[a-z][a-z0-9-]*$")
 MAX_EST_SECONDS = 366 * 86_400.0
 """A year: longer is a typo or inf, and would price a hold no budget can hold."""
 MAX_EST_TOKENS = 10**12
+WARM_KINDS = frozenset({"inference", "batch-inference", "embedding"})  # kinds whose bodies stay warm by default
+DEFAULT_KEEP_WARM_SECONDS = 300.0
 
 
 class AIRequest(BaseModel):
@@ -46,6 +48,19 @@ class AIRequest(BaseModel):
         default=None, ge=1, le=64, description="Spread whole GPUs over this many whole workers, one process per host "
         "(a multi-host job: gpus=16, hosts=2 is 8 on each). None: one worker if one can hold it, else the fewest "
         "whole workers that can.")
+
+    keep_warm: float | None = Field(
+        default=None, ge=0, le=86_400, allow_inf_nan=False,
+        description="Seconds a run's body may wait warm for the next run of the same task, principal and request "
+        "(its module state and loaded model kept, its device share held and its idle time charged as warm-idle); "
+        "0: a fresh process per run. None: 300 for inference kinds, else 0.")
+
+    @field_validator("keep_warm", mode="before")
+    @classmethod
+    def _keep_warm_seconds(cls, v: object) -> object:
+        from datetime import timedelta
+
+        return v.total_seconds() if isinstance(v, timedelta) else v
 
     @field_validator("gpu_type", mode="before")
     @classmethod
@@ -102,6 +117,13 @@ class AIRequest(BaseModel):
             return GPURequest(gpus=self.gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type, hosts=self.hosts)
         except ValidationError as exc:
             raise ValueError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+
+    @property
+    def keep_warm_seconds(self) -> float:
+        """How long this run's body may stay warm: what was declared, else the default of its kind."""
+        if self.keep_warm is not None:
+            return self.keep_warm
+        return DEFAULT_KEEP_WARM_SECONDS if self.kind in WARM_KINDS else 0.0
 
     @cached_property
     def digest(self) -> str:

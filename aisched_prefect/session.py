@@ -23,13 +23,13 @@ from aisched_prefect.approvals import ApprovalInput, parameters_summary
 from aisched_prefect.client import ControlPlaneClient, ControlPlaneError
 from aisched_prefect.config import RunnerConfig
 from aisched_prefect.embedded import EmbeddedControlPlane
-from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, ConfigurationError
+from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, ConfigurationError, InvalidAIRequest
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import settings
 from aisched_prefect.stream import ENGINE_SLOT, CallStream, LoopThread
 from aisched_prefect.wire import ApprovalView, CallMeta, Reply
 from dask_gpu import StopRequested
-from dask_gpu.child import code_digest
+from dask_gpu.bodycode import code_digest, preloads, ship
 
 logger = logging.getLogger("aisched_prefect")
 ARTIFACT_KEY = "aisched-evidence"
@@ -60,16 +60,20 @@ def _installed(module: Any) -> bool:
     return "site-packages" in path or "dist-packages" in path or not path
 
 
-def pickle_body(fn: Callable[..., Any]) -> tuple[bytes, list[str]]:
-    """The task function as bytes a worker can load, and the modules its child should find already imported.
+def pickle_body(fn: Callable[..., Any]) -> tuple[bytes, list[str], str]:
+    """The task's code as bytes a worker can load, the modules its body should find already imported, and the
+    code's digest (what its ticket binds and its body checks).
 
-    The function's own module is pickled by value unless it is an installed package: a flow
-    loaded from a file (a deployment's entrypoint, a script) is a module no worker can import
-    by name. The modules it uses by name (installed packages, the project's own) are named so
-    the worker's zygote imports them once, not in every child.
+    A function or class at module level of a module the worker cannot import by name (a flow file, a deployment's
+    entrypoint) travels as source (dask_gpu.bodycode.ship): imported in the body, so its module-level state is
+    created there, once per warm body, and never pickled. Anything else is pickled: by reference where the module
+    is an installed package, by value where it cannot be imported (a closure, a lambda, `__main__`).
     """
     import sys
 
+    shipped = ship(fn)
+    if shipped is not None:
+        return shipped.encode(), preloads(shipped), shipped.digest()
     module = sys.modules.get(getattr(fn, "__module__", "") or "")
     by_value = module is not None and module.__name__ != "__main__" and not _installed(module)
     if by_value:
@@ -80,6 +84,12 @@ def pickle_body(fn: Callable[..., Any]) -> tuple[bytes, list[str]]:
             _by_value[module.__name__] = _by_value.get(module.__name__, 0) + 1
     try:
         data = cloudpickle.dumps(fn)
+    except Exception as exc:  # a lock, a client, an open file among what it carries by value
+        raise InvalidAIRequest(
+            f"AI task {getattr(fn, '__qualname__', fn)!r}: its code cannot be sent to a GPU worker "
+            f"({type(exc).__name__}: {exc}): defined in a script run as `python FILE` (or in a closure), it is pickled "
+            "with the module state it uses. Fix: define it at module level of a module and run the flow with "
+            "`python -m package.module` (or import it), so its module travels as source") from None
     finally:
         if by_value:
             assert module is not None
@@ -96,7 +106,7 @@ def pickle_body(fn: Callable[..., Any]) -> tuple[bytes, list[str]]:
             names.add(used)
     if module is not None and not by_value and module.__name__ != "__main__":
         names.add(module.__name__)
-    return data, sorted(names)[:16]
+    return data, sorted(names)[:16], code_digest(fn)
 
 
 class RunnerSession:
@@ -218,8 +228,7 @@ class RunnerSession:
         with self._pickle_lock:
             got = self._pickles.get(fn)
             if got is None:
-                fn_bytes, modules = pickle_body(fn)
-                got = self._pickles[fn] = (fn_bytes, modules, code_digest(fn))
+                got = self._pickles[fn] = pickle_body(fn)
             return got
 
     def _hook(self, view: ApprovalView) -> None:

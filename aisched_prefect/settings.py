@@ -37,6 +37,9 @@ class Settings(BaseSettings):
     body_lease_seconds: float = Field(
         default=30.0, ge=2, description="A running body the control plane has not renewed for this long is killed.")
     hold_lease_seconds: float = Field(default=300.0, ge=1, description="Lease of each budget hold, renewed while it runs.")
+    max_keep_warm_seconds: float = Field(
+        default=3600.0, ge=0, description="AISCHED_MAX_KEEP_WARM_SECONDS: the longest a body may wait warm for the next "
+        "run of its key (what @ai_task(keep_warm=...) asks is cut to this; 0 turns warm bodies off).")
     top_up_fraction: float = Field(default=0.5, gt=0, le=10, description="A GPU run nearing what its hold covers "
                                    "asks for this share of its est_seconds more.")
     approval_wait_seconds: float = Field(default=10.0, gt=0, description="Longest single long-poll for an answer.")

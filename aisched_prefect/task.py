@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 from prefect import Task
@@ -98,10 +99,10 @@ def async_twin(task: Task[Any, Any]) -> Task[Any, Any]:
     body, request = getattr(task.fn, BODY_ATTR), request_of(task)
     assert request is not None
 
-    @functools.wraps(body)
     async def admitted(*args: Any, **kwargs: Any) -> Any:
         return await _admit_and_run_async(body, request, args, kwargs)
 
+    _like(admitted, body)
     setattr(admitted, REQUEST_ATTR, request)
     setattr(admitted, BODY_ATTR, body)
     twin = copy.copy(task)
@@ -141,6 +142,7 @@ def ai_task(
     priority: int = 0,
     preemptible: bool = False,
     hosts: int | None = None,
+    keep_warm: float | timedelta | None = None,
     **task_options: Any,
 ) -> Any:
     """Declare an AI task: what it needs (GPUs, memory, type), what it is, what it will cost.
@@ -156,15 +158,25 @@ def ai_task(
     (`run_subprocess`, or `checkpoint()` in Python loops) and, to lose
     nothing, resumable from its own checkpoint files.
 
+    `keep_warm` (seconds or a `timedelta`): how long a run's body process may wait, warm, for the next run of
+    this task by the same principal with the same request, keeping its module state (a model loaded at module
+    level or in a callable class's `__init__`), its device share and its UID; its idle time is charged as
+    `warm-idle`. Default: 5 minutes for kinds `inference`, `batch-inference` and `embedding`, else 0 (a fresh
+    process per run). A class with `__call__` may be decorated too: constructed once per body, called per run.
+
     Other keyword arguments (name, retries, tags, ...) go to `prefect.task`.
     """
     request = AIRequest.build(
         kind=kind, gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_type=gpu_type, model=model,
         est_seconds=est_seconds, est_tokens=est_tokens, priority=priority, preemptible=preemptible, hosts=hosts,
+        keep_warm=keep_warm,
     )
 
     def decorate(fn: Callable[..., Any]) -> Task[Any, Any]:
-        if inspect.iscoroutinefunction(fn):
+        if isinstance(fn, type) and not any("__call__" in vars(c) for c in fn.__mro__[:-1]):
+            raise InvalidAIRequest(f"@ai_task class {fn.__name__!r} has no __call__: a callable class is constructed "
+                                   "once per warm body and called per run; define __call__(self, ...)")
+        if inspect.iscoroutinefunction(fn.__call__ if isinstance(fn, type) else fn):
             raise InvalidAIRequest(f"@ai_task {fn.__name__!r}: async functions are not supported yet; use `def`")
         options = dict(task_options)
         options["retry_condition_fn"] = _retry_unless_denied(options.get("retry_condition_fn"))
@@ -177,13 +189,24 @@ def ai_task(
 REQUEST_FIELDS = tuple(AIRequest.model_fields)
 
 
+def _like(wrapper: Callable[..., Any], body: Any) -> None:
+    """`wrapper` named and signed as the body it admits: a function's own, a callable class's `__call__`."""
+    from aisched_prefect.approvals import call_signature
+
+    if isinstance(body, type):
+        functools.update_wrapper(wrapper, body, updated=())  # a class's __dict__ is its methods: not copied
+        wrapper.__signature__ = call_signature(body)  # type: ignore[attr-defined]
+    else:
+        functools.update_wrapper(wrapper, body)
+
+
 def _admitted(fn: Callable[..., Any], request: AIRequest) -> Callable[..., Any]:
     """The task's function: every call of it is admitted with `request`."""
 
-    @functools.wraps(fn)
     def admitted(*args: Any, **kwargs: Any) -> Any:
         return _admit_and_run(fn, request, args, kwargs)
 
+    _like(admitted, fn)
     setattr(admitted, REQUEST_ATTR, request)
     setattr(admitted, BODY_ATTR, fn)
     return admitted

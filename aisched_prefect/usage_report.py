@@ -28,7 +28,7 @@ from aisched_prefect.ledger import MICROS, Ledger, rolling_seconds, to_micros
 from aisched_prefect.ledger.queries import SETTLED_KINDS, settled_runs
 
 GroupBy = Literal["tenant", "principal", "flow", "model", "gpu-type", "day"]
-GROUPS: tuple[str, ...] = ("tenant", "principal", "flow", "model", "gpu-type", "day")
+GROUPS: tuple[str, ...] = ("tenant", "principal", "flow", "model", "gpu-type", "kind", "day")
 NONE = "(none)"  # the group of runs without a model or GPU type
 UNKNOWN_FLOW = "(unknown)"
 CENT = Decimal("0.01")
@@ -100,7 +100,7 @@ class UsageRow(BaseModel):
         if by == "day":
             return self.settled_at.date().isoformat()
         value = {"tenant": self.tenant, "principal": self.principal, "flow": self.flow, "model": self.model,
-                 "gpu-type": self.gpu_type}[by]
+                 "gpu-type": self.gpu_type, "kind": self.kind}[by]
         return value or NONE
 
     def flat(self) -> dict[str, Any]:

@@ -77,15 +77,17 @@ def isolated_probe(own: int, others: list[int]) -> dict:
 
 
 def isolated_check(inventory) -> int:
-    """One isolated body per GPU, through a tenant zygote in the worker's sandbox (as dask_gpu.plugin builds it)."""
+    """Isolated bodies of one tenant on each GPU in turn, twice, through its zygote in the worker's sandbox (as
+    dask_gpu.plugin builds it): each sees and opens exactly its own device."""
     import os
     import tempfile
 
     import cloudpickle
 
-    from dask_gpu.child import code_digest
+    from dask_gpu.bodycode import code_digest
     from dask_gpu.isolation import IsolationSettings, can_isolate, devices, filesystem
-    from dask_gpu.zygote import Zygote, recv_msg, send_msg
+    from dask_gpu.framing import recv_msg, send_msg
+    from dask_gpu.zygote import Zygote
 
     why = can_isolate(IsolationSettings())
     if why:
@@ -103,7 +105,9 @@ def isolated_check(inventory) -> int:
     failures = 0
     print(f"\n{'isolated body':<16} {'uid':<7} {'nodes':<28} {'cuda (CVD set)':<16} {'cuda (CVD unset)':<17} result")
     try:
-        for n, d in enumerate(whole):
+        # Every GPU twice, in turn, through one tenant's zygote: a body must still find its own node after a body of
+        # its tenant ran on another GPU (the nodes of the /dev its zygote's bodies share are never removed).
+        for n, d in enumerate(whole + whole):
             others = [i for i in indices if i != d.index]
             payload = cloudpickle.dumps(isolated_probe) + cloudpickle.dumps(((d.index, others), {}))
             sock = zygote.connect(["cloudpickle"], {"uid": 20000 + n, "workdir": f"check-{n}"})

@@ -66,6 +66,7 @@ def external_cluster(workers: int, per_worker: str, trusted_key: str, isolation:
              "--host", "127.0.0.1", "--no-dashboard", "--preload", "dask_gpu.preload"],
             env={**os.environ, "DASK_GPU_DECLARED": per_worker, "DASK_GPU_TRUSTED_KEYS": trusted_key,
                  "DASK_DASK_GPU__ISOLATION__MODE": isolation,
+                 "DASK_DASK_GPU__ISOLATION__TENANT": "bench",  # bench/flow's: a worker that cannot isolate needs it
                  "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, stdout=logs[1], stderr=subprocess.STDOUT))
         deadline = time.time() + 60
         while not os.path.exists(scheduler_file) and time.time() < deadline:
@@ -123,9 +124,10 @@ def body_starts(n: int) -> dict[str, float]:
 
     import cloudpickle
 
-    from dask_gpu.child import code_digest
+    from dask_gpu.bodycode import code_digest
     from dask_gpu.isolation import IsolationSettings, can_isolate, devices, filesystem
-    from dask_gpu.zygote import Zygote, recv_msg, send_msg
+    from dask_gpu.framing import recv_msg, send_msg
+    from dask_gpu.zygote import Zygote
 
     payload = cloudpickle.dumps(_trivial_body) + cloudpickle.dumps(((), {}))
     header = json.dumps({"env": {}, "code_digest": code_digest(_trivial_body), "devices": []}).encode()

@@ -7,6 +7,7 @@ from dask_gpu.cluster import (
     cluster_inventories,
     cluster_view,
     cluster_states,
+    end_warm,
     renew_leases,
     request_stop,
     running_for,
@@ -21,17 +22,15 @@ from dask_gpu.errors import (
     StopRequested,
     WorkerDied,
 )
+from dask_gpu.current import checkpoint, current_devices, stop_requested
 from dask_gpu.execute import (
     DeviceRun,
-    checkpoint,
-    current_devices,
     current_worker,
     current_worker_name,
     gpu_env,
     hold_devices,
     run_subprocess,
     run_with_devices,
-    stop_requested,
     submit,
 )
 from dask_gpu.inventory import (
@@ -73,6 +72,7 @@ __all__ = [
     "cluster_inventories",
     "cluster_view",
     "cluster_states",
+    "end_warm",
     "current_devices",
     "current_worker",
     "current_worker_name",

@@ -129,6 +129,14 @@ class DeviceAllocator:
                 self._memory[d.key] -= memory
             self._cond.notify_all()
 
+    def rename(self, key: str, new: str) -> None:
+        """What `key` holds is held by `new` from now on (a warm body's devices, between its runs and its next)."""
+        with self._cond:
+            if key != new and key in self._held:
+                if new in self._held:
+                    raise DeviceUnavailable(f"task {new!r} already holds devices {self.holders()[new]}")
+                self._held[new] = self._held.pop(key)
+
     def holders(self) -> dict[str, list[str]]:
         """Task key -> keys of the devices it holds now."""
         return {k: [d.key for d, _, _ in v] for k, v in self._held.items()}

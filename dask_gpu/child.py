@@ -1,16 +1,20 @@
-"""What runs in the fresh process of one task body: unpickle, check the code, run, send the result back.
+"""What runs in a body's process: check the code, run one run after another, send each result back.
 
 The worker never unpickles a body or its result: bytes in, bytes out. The
-child checks that the function it unpickled is the code the ticket was issued
-for (`code_digest`), so a body cannot be swapped after admission. On an
-isolated worker (`run_isolated`) the body's process first gets its own PID and
-mount namespaces, working directory, /tmp and GPU nodes, drops to its own UID
-and gets an environment of its own, all before it unpickles a byte.
+body checks that the code it loaded is the code the ticket was issued for (its
+digest: dask_gpu.bodycode), so a body cannot be swapped after admission. A body
+is *warm*: after a run it waits for the next run its worker sends it (the same
+principal and code, on the same devices: the worker sees to that), with its
+module state intact, so a model loaded at module level, in a cache or in a
+callable class's `__init__` is loaded once per body, not once per run. It ends
+when its worker closes its socket (or dies). On an isolated worker
+(`run_isolated`) the body's process first gets its own PID and mount
+namespaces, working directory, /tmp and GPU nodes, drops to its own UID and
+gets an environment of its own, all before it reads a byte of the code.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -20,126 +24,14 @@ import socket
 import threading
 import time
 import traceback
-import types
 from typing import Any
 
-from dask_gpu.zygote import recv_msg, send_msg
+from dask_gpu.bodycode import code_digest, load, split
+from dask_gpu.framing import recv_msg, send_msg
 
 WORKER_ENV = "DASK_GPU_WORKER"
 WORKER_NAME_ENV = "DASK_GPU_WORKER_NAME"
 _reports: list[dict[str, Any]] = []
-
-
-def _norm(value: Any) -> Any:
-    """A stable stand-in for a constant (frozensets print in hash order, which varies by process)."""
-    if isinstance(value, (frozenset, set)):
-        return ("set", sorted(repr(_norm(v)) for v in value))
-    if isinstance(value, tuple):
-        return tuple(_norm(v) for v in value)
-    if isinstance(value, types.CodeType):
-        return ("code", _code_bytes(value).hex())
-    return value
-
-
-def _code_bytes(code: types.CodeType) -> bytes:
-    h = hashlib.sha256()
-    h.update(code.co_code)
-    h.update(repr((code.co_names, code.co_varnames, code.co_freevars, code.co_argcount,
-                   code.co_kwonlyargcount)).encode())
-    h.update(repr(tuple(_norm(c) for c in code.co_consts)).encode())
-    return h.digest()
-
-
-def code_digest(fn: Any) -> str:
-    """What will run, as a hash: the function's name, bytecode (nested functions included), default arguments,
-    closure values, and what it reads by name from its own module (functions, classes and their methods, plain
-    constants), recursively.
-
-    The same function gives the same digest in every process of the same Python:
-
-    >>> def f(x, k=2): return {1, 2} | {x * k}
-    >>> code_digest(f) == code_digest(f)
-    True
-    >>> def g(x, k=3): return {1, 2} | {x * k}
-    >>> code_digest(f) != code_digest(g)
-    True
-    """
-    h = hashlib.sha256()
-    _feed(h, fn, set(), 0)
-    return h.hexdigest()
-
-
-def _value(value: Any) -> bytes:
-    """A process-independent stand-in for a default or closure value (objects by type: their repr holds addresses)."""
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return repr(value).encode()
-    if isinstance(value, (tuple, list, frozenset, set)):
-        return repr(_norm(tuple(value) if not isinstance(value, (set, frozenset)) else frozenset(value))).encode()
-    if isinstance(value, dict):
-        return repr(sorted((repr(k), _value(v)) for k, v in value.items())).encode()
-    return f"<{type(value).__module__}.{type(value).__qualname__}>".encode()
-
-
-def _feed(h: Any, fn: Any, seen: set[int], depth: int) -> None:
-    fn = getattr(fn, "__wrapped__", fn) if not hasattr(fn, "__code__") else fn
-    h.update(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}".encode())
-    code = getattr(fn, "__code__", None)
-    if code is None or id(fn) in seen or depth > 8:
-        return
-    seen.add(id(fn))
-    h.update(_code_bytes(code))
-    for value in (getattr(fn, "__defaults__", None) or ()):
-        h.update(_value(value))
-    for key, value in sorted((getattr(fn, "__kwdefaults__", None) or {}).items()):
-        h.update(key.encode() + _value(value))
-    for cell in (getattr(fn, "__closure__", None) or ()):
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if callable(value) and hasattr(value, "__code__"):
-            _feed(h, value, seen, depth + 1)
-        else:
-            h.update(_value(value))
-    module = getattr(fn, "__module__", None)
-    scope = getattr(fn, "__globals__", {})
-    for name in _global_names(code):  # what it reads from its own module: changing one changes what runs
-        value = scope.get(name)
-        if value is None and name not in scope:
-            continue
-        if isinstance(value, type) and value.__module__ == module and id(value) not in seen:
-            seen.add(id(value))
-            h.update(f"class {name}".encode())
-            for attr, member in sorted(vars(value).items()):
-                member = getattr(member, "__func__", member)  # staticmethod, classmethod
-                if hasattr(member, "__code__"):
-                    _feed(h, member, seen, depth + 1)
-                elif not attr.startswith("__"):
-                    h.update(attr.encode() + _value(member))
-        elif callable(value) and hasattr(value, "__code__"):
-            if getattr(value, "__module__", None) == module:
-                _feed(h, value, seen, depth + 1)
-        elif not isinstance(value, types.ModuleType) and _plain(value):
-            h.update(f"{name}=".encode() + _value(value))
-
-
-def _plain(value: Any) -> bool:
-    """Data a body can read as a constant (numbers, text, and containers of them), not an object with identity."""
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return True
-    if isinstance(value, (tuple, list, frozenset, set)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(_plain(k) and _plain(v) for k, v in value.items())
-    return False
-
-
-def _global_names(code: types.CodeType) -> list[str]:
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names += _global_names(const)
-    return sorted(set(names))
 
 
 def report(item: dict[str, Any]) -> bool:
@@ -173,8 +65,9 @@ class _Capture:
 
 
 def _watch_worker(conn: socket.socket) -> None:
-    """A body never outlives its worker: the worker sends nothing after the body, so its socket turns readable
-    only when the worker's end closed (the worker died; it closes only after reading the result)."""
+    """A body never outlives its worker: while a run goes on the worker sends nothing, so the socket turns
+    readable only when the worker's end closed (the worker died, or it ended the body); between runs the next run's
+    bytes make it readable too, and the body's own loop reads them."""
     while True:
         ready, _, _ = select.select([conn], [], [], 0.5)
         if ready:
@@ -186,47 +79,59 @@ def _watch_worker(conn: socket.socket) -> None:
             time.sleep(0.5)
 
 
-def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, imports: list[str] = ()) -> int:
-    """Run one body. `setup(header)` runs once the body's bytes arrived and before any is unpickled (isolation);
-    `imports`: modules its zygote left to it (a flow's own, on an isolated worker), imported once its env is set."""
+class _Loaded:
+    """The code this body has loaded, by digest: loaded (and a callable class constructed) once per body."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, Any] = {}
+
+    def call(self, digest: str, payload: bytes) -> tuple[Any, tuple[Any, ...], dict[str, Any], float]:
+        """The callable for `digest` (loaded from `payload` the first time), the run's arguments, and how long
+        loading took (0 once loaded: a warm run)."""
+        import cloudpickle
+
+        code, offset = split(payload)
+        stream = io.BytesIO(payload)
+        stream.seek(offset)
+        t0 = time.perf_counter()
+        fn = self._calls.get(digest)
+        if fn is None:
+            if code is not None:
+                if code.digest() != digest:
+                    raise RuntimeError(f"the source of {code.module}.{code.qualname} on this worker is not the code "
+                                       "that was admitted (its digest differs): refused")
+                fn = load(code)
+            else:
+                fn = cloudpickle.load(stream)
+                if code_digest(fn) != digest:
+                    raise RuntimeError(
+                        f"the code of {getattr(fn, '__qualname__', fn)!r} on this worker is not the code that was "
+                        "admitted (its digest differs): deploy the same version of the flow's code to the workers")
+            if isinstance(fn, type):  # a callable class: constructed once per body, called per run (Ray Data's actors)
+                fn = fn()
+            self._calls[digest] = fn
+        elif code is None:
+            cloudpickle.load(stream)  # the function again (a warm run): skipped, the loaded one runs
+        args, kwargs = cloudpickle.load(stream)
+        return fn, args, kwargs, time.perf_counter() - t0
+
+
+def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes, capture: _Capture) -> tuple[dict[str, Any], bytes]:
+    """One run in this body: its environment and devices, its code (loaded once per body), its result."""
     import cloudpickle
 
-    if announce:
-        send_msg(conn, json.dumps({"pid": os.getpid()}).encode())
-    header = json.loads(recv_msg(conn))
-    payload = recv_msg(conn)
-    if setup is not None:
-        try:
-            setup(header)
-        except BaseException as exc:  # noqa: BLE001 - the worker reports it as this body's error
-            out = {"ok": False, "error_type": "dask_gpu.isolation.IsolationError", "error_text": traceback.format_exc(),
-                   "error_message": f"the body's process could not be isolated: {type(exc).__name__}: {exc}"}
-            send_msg(conn, json.dumps(out).encode())
-            send_msg(conn, b"")
-            return 1
-    threading.Thread(target=_watch_worker, args=(conn,), daemon=True).start()
-    os.environ.update(header.get("env", {}))
-    for name in imports:
-        try:
-            __import__(name)
-        except BaseException:  # noqa: BLE001 - the body reports it when it unpickles
-            pass
-    from dask_gpu.execute import _current_devices
+    from dask_gpu.current import current_devices_var
     from dask_gpu.inventory import GPUDevice
 
-    _current_devices.set(tuple(GPUDevice(**d) for d in header.get("devices", [])))
-    capture = _Capture()
+    os.environ.update(header.get("env", {}))
+    current_devices_var.set(tuple(GPUDevice(**d) for d in header.get("devices", [])))
+    capture.records = []
+    _reports.clear()
     root = logging.getLogger()
-    out: dict[str, Any] = {"ok": False, "error_text": "", "error_type": ""}
+    out: dict[str, Any] = {"ok": False, "error_text": "", "error_type": "", "setup_seconds": 0.0}
     blob = b""
     try:
-        stream = io.BytesIO(payload)  # two pickles back to back: the function, then (args, kwargs)
-        fn = cloudpickle.load(stream)
-        args, kwargs = cloudpickle.load(stream)
-        if code_digest(fn) != header.get("code_digest"):
-            raise RuntimeError(
-                f"the code of {getattr(fn, '__qualname__', fn)!r} on this worker is not the code that was admitted "
-                "(its digest differs): deploy the same version of the flow's code to the workers")
+        fn, args, kwargs, out["setup_seconds"] = loaded.call(str(header.get("code_digest")), payload)
         if root.level > logging.INFO or root.level == logging.NOTSET:
             root.setLevel(logging.INFO)
         value = fn(*args, **kwargs)
@@ -241,13 +146,51 @@ def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, im
         except Exception:
             blob = b""
     out["logs"] = capture.records
-    out["reports"] = _reports
-    try:
-        send_msg(conn, json.dumps(out, default=str).encode())
-        send_msg(conn, blob)
-    except OSError:
-        return 1
-    return 0
+    out["reports"] = list(_reports)
+    return out, blob
+
+
+def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, imports: list[str] = ()) -> int:
+    """Run bodies' runs until the worker closes the socket. `setup(header)` runs once the first run's bytes arrived
+    and before any is read (isolation); `imports`: modules its zygote left to it (a flow's own, on an isolated
+    worker), imported once its environment is set."""
+    if announce:
+        send_msg(conn, json.dumps({"pid": os.getpid()}).encode())
+    loaded, capture, runs = _Loaded(), None, 0
+    while True:
+        try:
+            header = json.loads(recv_msg(conn))
+            payload = recv_msg(conn)
+        except (EOFError, OSError, ValueError):  # the worker ended this body (or died)
+            return 0
+        if runs == 0:
+            if setup is not None:
+                try:
+                    setup(header)
+                except BaseException as exc:  # noqa: BLE001 - the worker reports it as this body's error
+                    out = {"ok": False, "error_type": "dask_gpu.isolation.IsolationError",
+                           "error_text": traceback.format_exc(),
+                           "error_message": f"the body's process could not be isolated: {type(exc).__name__}: {exc}"}
+                    send_msg(conn, json.dumps(out).encode())
+                    send_msg(conn, b"")
+                    return 1
+            threading.Thread(target=_watch_worker, args=(conn,), daemon=True).start()
+            os.environ.update(header.get("env", {}))
+            for name in imports:
+                try:
+                    __import__(name)
+                except BaseException:  # noqa: BLE001 - the body reports it when it loads its code
+                    pass
+            capture = _Capture()
+        runs += 1
+        assert capture is not None
+        out, blob = _run_one(loaded, header, payload, capture)
+        out["runs"] = runs
+        try:
+            send_msg(conn, json.dumps(out, default=str).encode())
+            send_msg(conn, blob)
+        except OSError:
+            return 1
 
 
 def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], plan: dict[str, Any]) -> int:
@@ -258,10 +201,10 @@ def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], p
     up its mounts, drops to its UID, clears its environment and imports the flow's own modules (`late`), then
     runs as any body does.
     """
-    import shutil
     import sys
 
-    from dask_gpu.isolation import filesystem, identity
+    from dask_gpu.isolation import filesystem, identity, syscalls
+    from dask_gpu.isolation.cleanup import remove_tree
 
     uid = int(header["uid"])
     workdir = os.path.join(filesystem.BODIES, str(header["workdir"]))
@@ -277,6 +220,7 @@ def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], p
             def setup(run: dict[str, Any]) -> None:
                 filesystem.enter_run(uid, uid, workdir, [int(d["index"]) for d in run.get("devices", [])])
                 identity.drop_to(uid, uid)
+                syscalls.deny_keyrings()  # the kernel's per-UID keyrings outlive a body: none may be made
                 os.chdir(filesystem.HOME)
                 os.closerange(3, conn.fileno())
                 os.closerange(conn.fileno() + 1, 1 << 16)
@@ -292,5 +236,8 @@ def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], p
         os.waitpid(pid, 0)
     except ChildProcessError:
         pass
-    shutil.rmtree(workdir, ignore_errors=True)
+    try:
+        remove_tree(workdir)  # iterative, never follows a link (shutil.rmtree recurses: a deep tree outlived its run)
+    except OSError:
+        pass  # its worker removes it too, as the body ends
     return 0

@@ -76,6 +76,22 @@ class SchedulerProcess(ProcessInterface):
         await super().close()
 
 
+class HealthOnlyScheduler(Scheduler):
+    """Dask's scheduler whose HTTP server answers `/health` only, as `dask-gpu-scheduler` without `--dashboard`.
+
+    Dask's other routes (`/info`, `/json`, `/metrics`, `/eventstream`) serve every task's key to whoever reaches
+    the port. The routes are read once, in the constructor: the setting is in force for it alone.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import dask
+
+        from dask_gpu.scheduler_cli import HEALTH_ONLY, ROUTES_KEY
+
+        with dask.config.set({ROUTES_KEY: list(HEALTH_ONLY)}):
+            super().__init__(*args, **kwargs)
+
+
 def _die_with_parent() -> None:
     import ctypes
     import signal
@@ -102,7 +118,11 @@ class LocalGPUCluster(SpecCluster):
     root with bubblewrap, as `dask-gpu-worker` does on a GPU host.
     `scheduler_process=True` runs the scheduler as `dask-gpu-scheduler` in a
     process of its own (`SchedulerProcess`; the embedded control plane does);
-    by default it runs in this process, as Dask's LocalCluster's does.
+    by default it runs in this process, as Dask's LocalCluster's does. Either way
+    its HTTP server answers `/health` only, on `host`.
+    `tenant` is the one tenant an `unisolated` worker serves (required there:
+    `isolation="unisolated"`, or `"auto"` where the workers cannot isolate,
+    without it is refused here, as `dask-gpu-worker` refuses it).
     """
 
     def __init__(
@@ -116,15 +136,23 @@ class LocalGPUCluster(SpecCluster):
         tls: ClusterTLS | None = None,
         isolation: str | None = None,
         scheduler_process: bool = False,
+        tenant: str | None = None,
         **kwargs: Any,
     ) -> None:
         import dask
 
-        from dask_gpu.isolation import CONFIG_KEY, MODES
+        from dask_gpu.isolation import CONFIG_KEY, MODES, IsolationError, plan_for, settings_from_config
 
         mode = isolation or dask.config.get(f"{CONFIG_KEY}.mode", default=None) or "shared"
         if mode not in MODES:
             raise ValueError(f"LocalGPUCluster(isolation={mode!r}): expected one of {', '.join(MODES)}")
+        isolation_config: dict[str, Any] = {"mode": mode, **({"tenant": tenant} if tenant else {})}
+        if mode != "shared":  # the workers are processes of this host and user: what they would decide, decided here
+            settings = settings_from_config().model_copy(update=isolation_config)
+            try:
+                plan_for(settings)
+            except IsolationError as exc:
+                raise IsolationError(f"LocalGPUCluster(isolation={mode!r}): {exc} (here: tenant=NAME)") from None
         security = tls.security("cluster") if tls is not None else None
         protocol = {"protocol": "tls", "security": security} if security is not None else {}
         spec = declared if declared is not None else os.environ.get(DECLARED_ENV)
@@ -149,7 +177,7 @@ class LocalGPUCluster(SpecCluster):
                     "host": host,
                     "preload": [PRELOAD],
                     "preload_nanny": [NANNY_PRELOAD],
-                    "config": {"dask-gpu": {"isolation": {"mode": mode}}},  # the worker process reads it
+                    "config": {"dask-gpu": {"isolation": isolation_config}},  # the worker process reads it
                     "env": env,
                     "silence_logs": silence_logs,
                     "dashboard": False,
@@ -157,10 +185,10 @@ class LocalGPUCluster(SpecCluster):
                 },
             }
         scheduler = {
-            "cls": Scheduler,
+            "cls": HealthOnlyScheduler,
             # A task whose worker dies fails at once (KilledWorker) instead of being re-run
             # silently: the caller's retry policy decides, and each attempt is accounted.
-            "options": {"host": host, "dashboard": False, "dashboard_address": ":0",
+            "options": {"host": host, "dashboard": False, "dashboard_address": f"{host}:0",
                         "allowed_failures": allowed_failures, "preload": [SCHEDULER_PRELOAD],
                         **({"protocol": "tls", "security": tls.security("scheduler")} if tls is not None else {})},
         }
@@ -245,6 +273,7 @@ class WorkerView(BaseModel):
     isolation: str = ""  # "isolated", "unisolated" or "shared" (dask_gpu.isolation); "": an older worker
     isolation_detail: str = ""  # the worker's one line about it, as it logged at start
     results: str = ""  # where it serves the large results it keeps (dask_gpu.results); "": it keeps none
+    warm: list[dict[str, Any]] = []  # its idle warm bodies (dask_gpu.bodies): id, tenant, devices, runs, idle, keep
 
     def free(self) -> dict[str, float]:
         """Device key -> share of it still free."""
@@ -259,7 +288,7 @@ def cluster_view(client: Client) -> list[WorkerView]:
             out.append(WorkerView(name=answer["name"] or address, address=address, inventory=answer["inventory"],
                                   held=answer["held"], usage=answer["usage"], isolation=answer.get("isolation", ""),
                                   isolation_detail=answer.get("isolation_detail", ""),
-                                  results=answer.get("results", "")))
+                                  results=answer.get("results", ""), warm=answer.get("warm", [])))
     return sorted(out, key=lambda w: w.name)
 
 
@@ -301,6 +330,14 @@ def request_stop(client: Client, keys: list[str]) -> None:
     started; a task not started yet stops before it starts.
     """
     broadcast(client, "gpu_stop", keys=list(keys))
+
+
+def end_warm(client: Client, bodies: list[str], reason: str = "ended by the control plane") -> list[str]:
+    """End these idle warm bodies wherever they wait (one round trip to every worker); the ids ended."""
+    out: list[str] = []
+    for found in _answers(broadcast(client, "gpu_end_warm", bodies=list(bodies), reason=reason)):
+        out.extend(found)
+    return out
 
 
 def renew_leases(client: Client, keys: list[str], seconds: float) -> set[str]:

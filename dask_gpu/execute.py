@@ -8,24 +8,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 from distributed import get_worker
 from distributed.worker import thread_state
 from pydantic import BaseModel, ConfigDict
 
-from dask_gpu.errors import InfeasibleRequest, NotOnGPUWorker, StopRequested
 from dask_gpu.cluster import cluster_inventories
+from dask_gpu.current import current_devices, current_devices_var, current_stop_var
+from dask_gpu.errors import InfeasibleRequest, NotOnGPUWorker, StopRequested
 from dask_gpu.inventory import GPUDevice, WorkerInventory
 from dask_gpu.live import DeviceState
 from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
 from dask_gpu.request import GPURequest, worker_restriction
-
-_current_devices: ContextVar[tuple[GPUDevice, ...] | None] = ContextVar(
-    "dask_gpu_current_devices", default=None
-)
-_current_stop: ContextVar[threading.Event | None] = ContextVar("dask_gpu_current_stop", default=None)
 
 STOP_POLL_SECONDS = 0.2
 
@@ -54,17 +49,6 @@ class DeviceRun(BaseModel):
     @property
     def gpu_type(self) -> str | None:
         return self.devices[0].gpu_type if self.devices else None
-
-
-def current_devices() -> tuple[GPUDevice, ...]:
-    """The devices held by the task running in this thread."""
-    devices = _current_devices.get()
-    if devices is None:
-        raise NotOnGPUWorker(
-            "current_devices() was called outside a GPU task: call it inside a function "
-            "submitted through dask_gpu.submit or an @ai_task"
-        )
-    return devices
 
 
 def current_worker() -> str:
@@ -101,25 +85,13 @@ def gpu_env(devices: Sequence[GPUDevice] | None = None, base: dict[str, str] | N
     return env
 
 
-def stop_requested() -> bool:
-    """Whether the task running in this thread has been asked to stop."""
-    stop = _current_stop.get()
-    return stop is not None and stop.is_set()
-
-
-def checkpoint() -> None:
-    """A cooperative stop point for Python code in a long task: raises StopRequested when asked to stop."""
-    if stop_requested():
-        raise StopRequested("the task was asked to stop (authority revoked or preempted)")
-
-
 def run_subprocess(args: Sequence[str] | str, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
     """`subprocess.run` with CUDA_VISIBLE_DEVICES set to this task's devices, killed if the task must stop.
 
     Takes `subprocess.run`'s arguments (capture_output, text, check, timeout, input, ...).
     """
     kwargs["env"] = gpu_env(base=kwargs.get("env"))
-    stop = _current_stop.get()
+    stop = current_stop_var.get()
     if stop is None:
         return subprocess.run(args, **kwargs)
     check, timeout, data = kwargs.pop("check", False), kwargs.pop("timeout", None), kwargs.pop("input", None)
@@ -183,10 +155,13 @@ class DeviceLease:
 
 
 @contextmanager
-def hold_devices(request: GPURequest, devices: list[str] | None = None) -> Iterator[DeviceLease]:
+def hold_devices(request: GPURequest, devices: list[str] | None = None,
+                 held: tuple[GPUDevice, ...] | None = None) -> Iterator[DeviceLease]:
     """Hold the devices `request` needs on this worker for the block; release them however it ends.
 
     `devices`: the device keys the cluster's queue chose (taken exactly, when they can hold the request).
+    `held`: devices the caller already holds for longer than the block (a body's, for its whole life: see
+    dask_gpu.bodies); the block runs on them and neither takes nor gives them back.
     """
     address, plugin = _plugin()
     if request.gpus and plugin is None:
@@ -199,14 +174,15 @@ def hold_devices(request: GPURequest, devices: list[str] | None = None) -> Itera
         if plugin is not None:
             plugin.forget(key)
         raise StopRequested(f"task {key!r} was asked to stop before it started")
-    if request.gpus and plugin is not None:
+    own = held is None and bool(request.gpus) and plugin is not None
+    if own:
+        assert plugin is not None
         held = plugin.allocator.acquire(key, request, timeout=DEVICE_WAIT_SECONDS, devices=devices)
-    else:
-        held = ()
+    held = held or ()
     lease = DeviceLease(address, plugin, held)
     if plugin is not None:
         plugin.mark_started(key)
-    token, stop_token = _current_devices.set(held), _current_stop.set(stop)
+    token, stop_token = current_devices_var.set(held), current_stop_var.set(stop)
     try:
         yield lease
     finally:
@@ -214,11 +190,11 @@ def hold_devices(request: GPURequest, devices: list[str] | None = None) -> Itera
         if held and plugin is not None:
             states = plugin.sample()
             lease.live = {d.key: states[d.key] for d in held if d.key in states} if states else None
-        _current_devices.reset(token)
-        _current_stop.reset(stop_token)
+        current_devices_var.reset(token)
+        current_stop_var.reset(stop_token)
         if plugin is not None:
             plugin.forget(key)
-        if held and plugin is not None:
+        if own and plugin is not None:
             plugin.allocator.release(key)
 
 

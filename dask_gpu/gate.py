@@ -78,7 +78,7 @@ SCHEDULER_OPS: dict[str, frozenset[str]] = _table(PLANE, """
 # What a worker sends on its batched stream to the scheduler (Scheduler.worker_handlers, work stealing).
 SCHEDULER_WORKER_STREAM = frozenset("""
     task-finished task-erred release-worker-data add-keys long-running reschedule keep-alive log-event
-    worker-status-change request-refresh-who-has steal-response gpu-queue-freed
+    worker-status-change request-refresh-who-has steal-response gpu-queue-freed gpu-queue-cold
 """.split())
 # What the control plane sends on its client stream (Scheduler.client_handlers, the extensions', the plugins').
 SCHEDULER_CLIENT_STREAM = frozenset("""
@@ -92,7 +92,8 @@ PROTECTED_TOPICS = frozenset({"all", "scheduler", "aisched-worker-died"})
 # A worker's request handlers: the scheduler (relaying the control plane's broadcasts) and the control plane.
 WORKER_OPS: dict[str, frozenset[str]] = _table(FROM_SCHEDULER, """
     actor_attribute actor_execute benchmark_disk benchmark_memory benchmark_network call_stack dump_state echo
-    free_keys gather get_data get_logs get_monitor_info get_story gpu_inventory gpu_renew gpu_running_for gpu_stop
+    free_keys gather get_data get_logs get_monitor_info get_story gpu_end_warm gpu_inventory gpu_renew gpu_running_for
+    gpu_stop
     identity keys ping plugin-add plugin-remove profile profile_metadata run run_coroutine shuffle_inputs_done
     shuffle_receive terminate update_data upload_file versions
 """, connection_stream=DENIED)  # worker-to-worker streams (p2p shuffles) are not used here

@@ -8,21 +8,25 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_gpu.allocator import DeviceAllocator
+from dask_gpu.bodies import COLD_STREAM_OP, WARM_TOPIC, BodyPool, BodyProcess
+from dask_gpu.containment import body_cgroup, cgroups_unavailable
 from dask_gpu.inventory import WorkerInventory
 from dask_gpu.isolation import IsolationPlan, TenantGate, plan_for
 from dask_gpu.live import DeviceState, sample
-from dask_gpu.results import DirectResults
-from dask_gpu.zygote import Zygote
+from dask_gpu.results import DirectResults, start as start_results
+from dask_gpu.zygote import Zygote, kill_group
 
 if TYPE_CHECKING:
     from distributed import Worker
 
 PLUGIN_NAME = "dask-gpu"
+WARM_HOLD = "warm-"  # what an idle warm body's devices are held under in the allocator (not a run: not in `held`)
 # Under `distributed`, so the worker's own log configuration shows it (a `dask worker` logs distributed.* at INFO).
 logger = logging.getLogger("distributed.dask_gpu")
 
@@ -43,12 +47,18 @@ class GPUWorkerPlugin(WorkerPlugin):
         self._zygotes_lock = threading.Lock()
         self._sandbox: list[str] | None = None
         self._uids: Any = None
+        self._bodies_dir = ""
+        self._cgroups: str | None = "not decided yet"  # why bodies get no cgroup here (None: they do)
         self.worker_name = ""
         self._stops: dict[str, threading.Event] = {}
         self._started: dict[str, float] = {}  # key -> monotonic time it got its devices
         self._leases: dict[str, float] = {}  # key -> monotonic deadline; past it the body is killed
         self._stops_lock = threading.Lock()
         self.results: DirectResults | None = None  # started at setup unless dask config dask-gpu.results says off
+        self.bodies = BodyPool(self._end_body)
+        self._warm_told: set[str] = set()  # warm bodies the cluster's queue counts: it is told when they end
+        self._closing = threading.Event()
+        self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dask-gpu-reaper")
 
     def stop_event(self, key: str) -> threading.Event:
         """The event that asks task `key` to stop; it may be set before the task starts."""
@@ -92,14 +102,69 @@ class GPUWorkerPlugin(WorkerPlugin):
         with self._stops_lock:
             self._leases.pop(key, None)
 
-    def devices_freed(self, queue_key: str) -> None:
-        """Tell the cluster's queue (from a task's thread) that the body of its run `queue_key` ended here."""
+    def devices_freed(self, queue_key: str, warm: str | None = None, keep: float = 0.0) -> None:
+        """Tell the cluster's queue (from a task's thread) that the body of its run `queue_key` ended here, or
+        (`warm`) that it waits, warm, for the next run of its key, holding its device share for `keep` seconds."""
         from dask_gpu.queue_plugin import FREED_STREAM_OP
 
+        if warm:
+            self._warm_told.add(warm)
+        self._send({"op": FREED_STREAM_OP, "id": queue_key, **({"warm": warm, "keep": keep} if warm else {})})
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        """A message to the scheduler on the worker's batched stream (from any thread)."""
         worker = getattr(self, "_worker", None)
         stream = getattr(worker, "batched_stream", None)
         if stream is not None:
-            worker.loop.add_callback(stream.send, {"op": FREED_STREAM_OP, "id": queue_key})
+            worker.loop.add_callback(stream.send, msg)
+
+    def _end_body(self, body: BodyProcess, reason: str, idle: float) -> None:
+        """End a body's process and everything it started; give back its devices; tell whoever counted it. Its
+        cgroup (daemons that left its session too), working directory and UID are reaped next, off this path."""
+        kill_group(body.pid)
+        try:
+            body.sock.close()
+        except OSError:
+            pass
+        if body.hold:
+            self.allocator.release(body.hold)
+        if body.id in self._warm_told:  # the queue counts it as a warm body: its device share is free now
+            self._warm_told.discard(body.id)
+            self._send({"op": COLD_STREAM_OP, "body": body.id})
+        if body.runs and body.idle_since is not None:  # it waited warm: the control plane charges that idle time
+            worker = getattr(self, "_worker", None)
+            if worker is not None:
+                worker.log_event(WARM_TOPIC, {"body": body.id, "tenant": body.tenant, "key": body.key,
+                                              "idle": idle, "runs": body.runs, "reason": reason,
+                                              "devices": [d.key for d in body.devices], "worker": worker.address})
+        logger.debug("body %s ended after %d run(s): %s", body.id, body.runs, reason)
+        self._reaper.submit(self._reap, body)
+
+    def _reap(self, body: BodyProcess) -> None:
+        """What of a body is left once it was killed: every process in its cgroup, its working directory (iterative,
+        never following a link: a 3,000-deep tree goes too); then its UID may be leased again."""
+        try:
+            if body.cgroup is not None:
+                body.cgroup.remove()  # kills what is left in it first
+            if body.workdir:
+                from dask_gpu.isolation.cleanup import remove_tree
+
+                try:
+                    remove_tree(body.workdir)
+                except FileNotFoundError:
+                    pass
+        except Exception:
+            logger.exception("body %s could not be reaped whole (cgroup %s, working directory %s); its UID stays "
+                             "out of the pool", body.id, body.cgroup, body.workdir)
+            return
+        self.release_identity(body.uid)
+
+    def _expire_loop(self) -> None:
+        while not self._closing.wait(0.25):
+            try:
+                self.bodies.expire()
+            except Exception:  # keep expiring: the next turn retries
+                logger.exception("ending idle warm bodies failed")
 
     def forget(self, key: str) -> None:
         with self._stops_lock:
@@ -125,6 +190,18 @@ class GPUWorkerPlugin(WorkerPlugin):
         uid = self._uids.lease()
         return {"uid": uid, "workdir": f"{uid}-{uuid.uuid4().hex[:12]}"}, uid
 
+    def workdir_of(self, identity: dict[str, Any]) -> str:
+        """Where an isolated body's working directory lies on this host ("" for a body that has none)."""
+        return os.path.join(self._bodies_dir, str(identity["workdir"])) if identity and self._bodies_dir else ""
+
+    def contain(self, body: BodyProcess, gpus: float) -> None:
+        """Put a body's process in a cgroup of its own before it runs a byte a flow sent (dask_gpu.containment);
+        no-op where this worker cannot make cgroups (it said why once, at start)."""
+        if self._cgroups is None:
+            assert self.isolation is not None
+            body.cgroup = body_cgroup(body, gpus, self.isolation, self.inventory)
+            body.cgroup.add(body.pid)
+
     def release_identity(self, uid: int | None) -> None:
         if uid is not None and self._uids is not None:
             self._uids.release(uid)
@@ -144,6 +221,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         bodies = settings.bodies_dir or os.path.join(local or "/var/lib/dask-gpu", "bodies")
         os.makedirs(bodies, mode=0o711, exist_ok=True)
         os.chmod(bodies, 0o711)
+        self._bodies_dir = bodies
         scratch = [local, os.path.dirname(local)] if local else []  # Dask puts these on sys.path: never bound
         security = getattr(worker, "security", None)
         fields = [f"tls_{who}_{what}" for who in ("worker", "client", "scheduler") for what in ("cert", "key")]
@@ -159,12 +237,19 @@ class GPUWorkerPlugin(WorkerPlugin):
             bodies_dir=bodies)
         self._uids = identity.UidPool(*settings.body_uids, locks=settings.uid_locks)
 
+    def _decide_cgroups(self) -> None:
+        self._cgroups = cgroups_unavailable(self.isolation)
+        if self._cgroups is not None:
+            logger.warning("GPU worker: bodies get no cgroup (no memory, PID or device bound of their own): %s",
+                           self._cgroups)
+
     def setup(self, worker: Worker) -> None:
         self.worker_address = worker.address
         self.worker_name = str(worker.name)
         self._worker = worker
         _stop_frame_sampler(worker)
         self._isolate(worker)
+        self._decide_cgroups()
         self._start_results(worker)
         assert self.isolation is not None
         logger.info("GPU worker %s isolation: %s", worker.name, self.isolation.describe())
@@ -173,6 +258,8 @@ class GPUWorkerPlugin(WorkerPlugin):
         worker.handlers["gpu_renew"] = self._handle_renew
         worker.handlers["gpu_running_for"] = self._handle_running_for
         worker.handlers["gpu_inventory"] = self._handle_inventory
+        worker.handlers["gpu_end_warm"] = self._handle_end_warm
+        threading.Thread(target=self._expire_loop, name="dask-gpu-warm-expiry", daemon=True).start()
         # What it advertises, once; nothing is logged per poll (the handlers above log nothing).
         logger.info("GPU worker %s (%s): %s (%s); trusts %d control-plane key(s)", worker.name, worker.address,
                     self.inventory.describe(), self.inventory.source, len(self.trusted_keys))
@@ -184,18 +271,19 @@ class GPUWorkerPlugin(WorkerPlugin):
         """The listener large results are fetched from, on the worker's own host (port chosen now)."""
         from distributed.comm import get_address_host
 
-        from dask_gpu import results
-
         try:
             host = get_address_host(worker.address)
         except Exception:  # an address with no host (inproc): results go back as the task's value
             host = ""
-        self.results = results.start(host)
+        self.results = start_results(host)
         if self.results is not None:
             logger.info("GPU worker %s keeps results of %d bytes or more for their caller at %s", worker.name,
                         self.results.settings.min_bytes, self.results.base_url)
 
     def teardown(self, worker: Worker) -> None:
+        self._closing.set()
+        self.bodies.close()
+        self._reaper.shutdown(wait=True)
         if self.results is not None:
             self.results.close()
             self.results = None
@@ -215,12 +303,19 @@ class GPUWorkerPlugin(WorkerPlugin):
     def _handle_running_for(self, keys: list[str]) -> dict[str, float]:
         return self.running_for(keys)
 
+    def _handle_end_warm(self, bodies: list[str] | None = None, keys: list[str] | None = None,
+                         reason: str = "ended by the control plane") -> list[str]:
+        """End idle warm bodies by id or by key (the queue evicting one for another run, the control plane ending
+        those whose authority ended); a body busy with a run is not touched here (its run is stopped the run's way)."""
+        ids, wanted = set(bodies or ()), set(keys or ())
+        return self.bodies.end_idle(lambda b: b.id in ids or b.key in wanted, reason)
+
     def _handle_inventory(self) -> dict:
         plan = self.isolation
         return {"name": self.worker_name, "inventory": self.inventory.model_dump(mode="json"),
-                "held": self.allocator.holders(), "usage": self.allocator.usage(),
+                "held": {k: v for k, v in self.allocator.holders().items() if not k.startswith(WARM_HOLD)}, "usage": self.allocator.usage(),
                 "isolation": plan.mode if plan else "", "isolation_detail": plan.describe() if plan else "",
-                "results": self.results.base_url if self.results else ""}
+                "results": self.results.base_url if self.results else "", "warm": self.bodies.idle()}
 
 
 def _stop_frame_sampler(worker: Worker) -> None:

@@ -45,74 +45,26 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
-
-from dataclasses import dataclass, field
 
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.protocol.pickle import dumps
 
-from dask_gpu.inventory import WorkerInventory
+from dask_gpu.bodies import COLD_STREAM_OP
+from dask_gpu.queue_devices import UNITS, Device, DevicePlacement, Spec
+from dask_gpu.queue_membership import Membership
+from dask_gpu.queue_stream import PLACED_STREAM_OP, QueueStream  # noqa: F401 - PLACED_STREAM_OP: where callers look
 from dask_gpu.queue_policy import LIVE_HALF_LIFE, ClusterState, FinishTimeFair, Job, Policy, Running
-from dask_gpu.request import split
+from dask_gpu.queue_warm import WarmPlacement
 
 logger = logging.getLogger("distributed.dask_gpu")
 PLUGIN_NAME = "dask-gpu-queue"
 LEAVE_STREAM_OP = "gpu-queue-leave"  # a run ended: sent on the client's batched stream, no round trip
 ENTER_STREAM_OP = "gpu-queue-enter"  # queue a run: on the client's batched stream, no connection held while it waits
-PLACED_STREAM_OP = "gpu-queue-placed"  # to the client, on its stream: where a run entered with ENTER_STREAM_OP goes
 FREED_STREAM_OP = "gpu-queue-freed"  # from the worker a run is placed on, on its stream: the body ended, its devices are free
-_UNITS = 1_000_000  # shares of a device in millionths: no float drift
-LEARN_SECONDS = 5.0  # how long a run waits for the plugin to learn a new worker's devices
 
 
-@dataclass(frozen=True)
-class Spec:
-    """What a run asks of devices: whole ones (at least `memory` GB each) or a `share` of one (`memory` GB of it)."""
-
-    types: tuple[str, ...] | None = None
-    memory: float | None = None
-    share: float = 0.0  # 0: whole devices
-    width: int = 0
-
-    def type_ok(self, d: "Device") -> bool:
-        return self.types is None or d.type.upper() in self.types
-
-    def whole_fits(self, d: "Device") -> bool:
-        return self.type_ok(d) and (self.memory is None or d.memory >= self.memory)
-
-    def reserve(self, d: "Device") -> tuple[int, float]:
-        """(share units, GB) a fraction takes of `d`."""
-        return int(round(self.share * _UNITS)), self.memory if self.memory is not None else self.share * d.memory
-
-    def fraction_fits(self, d: "Device") -> bool:
-        units, gb = self.reserve(d)
-        return (self.type_ok(d) and d.whole is None and d.share + units <= _UNITS
-                and d.mem + gb <= d.memory + 1e-9)
-
-
-@dataclass(eq=False)
-class Device:
-    """One device of a worker, as the queue's books hold it."""
-
-    key: str
-    type: str
-    memory: float
-    whole: int | None = None  # the run that holds it whole
-    share: int = 0  # units in use by fractions
-    mem: float = 0.0  # GB reserved by fractions
-    fractions: set[int] = field(default_factory=set)
-    anchor: Running | None = None  # the policy's one-GPU run that keeps a shared device off the whole count
-
-    @property
-    def idle(self) -> bool:
-        return self.whole is None and not self.fractions
-
-
-class GPUQueuePlugin(SchedulerPlugin):
+class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, SchedulerPlugin):
     """Holds the cluster's queue of GPU runs and starts them with a pure policy (FinishTimeFair by default: no GPU
     held idle while a run that fits waits, beyond EASY's reservations; preemptible runs give borrowed GPUs back;
     fairness memory halving weekly)."""
@@ -140,6 +92,7 @@ class GPUQueuePlugin(SchedulerPlugin):
         self.assigned: dict[int, list[tuple[str, list[str]]]] = {}  # running whole runs: (worker, device keys)
         self.fraction_runs: dict[int, tuple[Job, float, float]] = {}  # running fractions: (job, start, share)
         self._dispatch_pending = False
+        self._warm_init()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -151,211 +104,15 @@ class GPUQueuePlugin(SchedulerPlugin):
             scheduler.stream_handlers[LEAVE_STREAM_OP] = self._leave_stream
             scheduler.stream_handlers[ENTER_STREAM_OP] = self._enter_stream
             scheduler.stream_handlers[FREED_STREAM_OP] = self._freed_stream
+            scheduler.stream_handlers[COLD_STREAM_OP] = self._cold_stream
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
-
-    def _leave_stream(self, id: str, client: str | None = None, **kwargs: Any) -> None:
-        with _contained("leave", id):
-            self.leave(id)
-
-    def _freed_stream(self, id: str, worker: str | None = None, **kwargs: Any) -> None:
-        """The worker a one-host run is placed on says its body ended: its devices go to the next run now, not after
-        the control plane has fetched the result and left (a round trip or two later). Only that worker's word
-        counts (a worker cannot free another's run); the client's own leave, later, finds nothing left to do."""
-        with _contained("freed", id):
-            self._freed(id, worker)
-
-    def _freed(self, id: str, worker: str | None) -> None:
-        jid = self.keys.get(id)
-        if worker is None or jid is None or jid in self.preempted:
-            return
-        if jid in self.running:
-            run = self.running[jid][0]
-            if len(run.hosts) != 1 or self.addresses[run.host] != worker:
-                return
-        elif jid not in self.fractions or self.fractions[jid][0] != worker:
-            return
-        self.leave(id)
-
-    def _enter_stream(self, key: str, client: str | None = None, **kwargs: Any) -> None:
-        """`place`, asked on the client's batched stream and answered on it (PLACED_STREAM_OP, by `key`).
-
-        Why: a run may wait hours, and an RPC held open per waiting run takes a connection of the client's
-        pool each (512): past that nothing, not even a finished run's result, gets through. Here a waiting
-        run costs a queue entry and one coroutine, and the client holds nothing.
-        """
-        kwargs.pop("op", None)
-        asyncio.ensure_future(self._answer_on_stream(key, client or "", kwargs))
-
-    async def _answer_on_stream(self, key: str, client: str, kwargs: dict[str, Any]) -> None:
-        try:
-            where = await self.place(key, client=client, **kwargs)
-            msg: dict[str, Any] = {"op": PLACED_STREAM_OP, "key": key, "where": where}
-        except Exception as exc:  # a bad entry: the client is told, never left waiting
-            msg = {"op": PLACED_STREAM_OP, "key": key, "where": None, "error": f"{type(exc).__name__}: {exc}"}
-        if self.scheduler is not None:
-            self.scheduler.client_send(client, msg)
-
-    # -- devices ------------------------------------------------------------------------
-    def _learn_soon(self, address: str) -> None:
-        if address not in self._learning and self.scheduler is not None:
-            try:
-                self._learning[address] = asyncio.ensure_future(self._learn(address))
-            except RuntimeError:  # no running event loop (a test driving the plugin by hand)
-                pass
-
-    async def _learn(self, address: str) -> None:
-        """Ask the worker's GPU plugin for its devices (once per worker address)."""
-        try:
-            found = await self.scheduler.broadcast(msg={"op": "gpu_inventory"}, workers=[address], on_error="ignore")
-        except Exception:  # not a GPU worker, or a scheduler that cannot broadcast: counts only
-            return
-        answer = found.get(address) if isinstance(found, dict) else None
-        if isinstance(answer, dict) and "inventory" in answer and address in self.addresses:
-            inv = WorkerInventory.model_validate(answer["inventory"])
-            self.devices[address] = [Device(d.key, d.gpu_type, d.memory_gb) for d in inv.devices]
-            self._dispatch()
-
-    async def _known(self, addresses: list[str]) -> None:
-        """Wait (briefly) until the devices of `addresses` are learned."""
-        for a in addresses:
-            self._learn_soon(a)
-        pending = [self._learning[a] for a in addresses if a in self._learning and not self._learning[a].done()]
-        if pending:
-            await asyncio.wait(pending, timeout=LEARN_SECONDS)
-
-    def _open_fit(self, spec: Spec, hosts: frozenset[int] | None) -> tuple[str, Device] | None:
-        """The fullest shared device (of an allowed worker) that still holds the fraction: best fit."""
-        best = None
-        for h, address in enumerate(self.addresses):
-            if hosts is not None and h not in hosts:
-                continue
-            for d in self.devices.get(address, ()):
-                if d.fractions and spec.fraction_fits(d) and (best is None or (d.share, d.mem) > (best[1].share, best[1].mem)):
-                    best = (address, d)
-        return best
-
-    def _fresh(self, address: str, spec: Spec) -> Device | None:
-        """An idle device of `address` that could hold the fraction (the smallest, to keep big ones whole)."""
-        idle = [d for d in self.devices.get(address, ()) if d.idle and spec.fraction_fits(d)]
-        return min(idle, key=lambda d: (d.memory, d.key)) if idle else None
-
-    def _assign(self, jid: int, holds: tuple[tuple[int, int], ...], gpus: int, spec: Spec) -> tuple[list[list[str]] | None, list[int]]:
-        """Which idle devices of each host a whole run (a gang: each member) gets, and each member's share.
-
-        (None, shares) where the devices of a host are not known: the worker's allocator then chooses.
-        """
-        addresses = [self.addresses[h] for h, _ in holds]
-        free = [[d for d in self.devices.get(a, ()) if d.idle and spec.whole_fits(d)] for a in addresses]
-        if len(holds) == 1:
-            shares = [gpus]
-        elif spec.width:
-            shares = [gpus // spec.width] * spec.width
-        else:
-            caps = [len(f) if a in self.devices else g for f, a, (_, g) in zip(free, addresses, holds)]
-            shares = split(gpus, caps) or [g for _, g in holds]
-        if any(a not in self.devices for a in addresses) or any(len(f) < n for f, n in zip(free, shares)):
-            return None, shares
-        out = []
-        for a, f, n in zip(addresses, free, shares):
-            chosen = sorted(f, key=lambda d: (d.memory, d.key))[:n]  # keep big devices for big requests
-            for d in chosen:
-                d.whole = jid
-            out.append(sorted((d.key for d in chosen), key=_device_order))
-        self.assigned[jid] = [(a, keys) for a, keys in zip(addresses, out)]
-        return out, shares
-
-    def _unassign(self, jid: int) -> None:
-        for address, keys in self.assigned.pop(jid, []):
-            for d in self.devices.get(address, ()):
-                if d.key in keys and d.whole == jid:
-                    d.whole = None
-
-    def _start_fraction(self, jid: int, client: str, address: str, d: Device, spec: Spec, job: Job) -> None:
-        units, gb = spec.reserve(d)
-        self.fraction_runs[jid] = (job, time.time(), spec.share)
-        d.share += units
-        d.mem += gb
-        d.fractions.add(jid)
-        self.fractions[jid] = (address, d, units, gb, client)
-        self._answer(jid, {"workers": [address], "devices": [[d.key]], "shares": [spec.share]})
-
-    def _end_fraction(self, jid: int) -> None:
-        address, d, units, gb, _ = self.fractions.pop(jid)
-        self.fraction_runs.pop(jid, None)
-        d.share -= units
-        d.mem -= gb
-        d.fractions.discard(jid)
-        if not d.fractions and d.anchor is not None:  # the last fraction left: the device counts as free again
-            if d.anchor in self.state.running:
-                self.state.release(d.anchor)
-            d.anchor = None
-
-    # -- workers ------------------------------------------------------------------------
-    def add_worker(self, scheduler: Any, worker: str) -> None:
-        gpus = int(scheduler.workers[worker].resources.get("GPU", 0)) if worker in scheduler.workers else 0
-        if worker in self.addresses:
-            h = self.addresses.index(worker)
-            self.state.size[h] = gpus
-            self.state.free[h] = gpus - sum(g for r, _ in self.running.values() for x, g in r.holds if x == h)
-        else:
-            self.addresses.append(worker)
-            self.state.add_host(gpus)
-        self._learn_soon(worker)
-        self._dispatch()
-
-    def _address(self, worker: str) -> str | None:
-        """A worker's address from its address or its name (inventories are keyed by name)."""
-        if worker in self.scheduler.workers:
-            return worker
-        return next((a for a, ws in self.scheduler.workers.items() if ws.name == worker), None)
-
-    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
-        if worker in self.addresses:
-            h = self.addresses.index(worker)
-            self.state.free[h] = self.state.size[h] = 0
-            for jid, (run, _) in list(self.running.items()):
-                if h in run.hosts:  # Dask reschedules or fails it; its place here is gone either way
-                    self._drop_running(jid, free=False)
-                    for x, g in run.holds:  # a gang's other workers are free again
-                        if x != h:
-                            self.state.free[x] += g
-            for jid in [j for j, f in self.fractions.items() if f[0] == worker]:
-                d = self.fractions.pop(jid)[1]
-                self.fraction_runs.pop(jid, None)
-                if d.anchor is not None and d.anchor in self.state.running:
-                    self.state.running.remove(d.anchor)
-                d.anchor = None
-            self.devices.pop(worker, None)
-            self._learning.pop(worker, None)
-            self._dispatch()
-
-    # -- clients ------------------------------------------------------------------------
-    def remove_client(self, scheduler: Any, client: str) -> None:
-        """A client went away (its flow process died): forget what it queued and free what it ran."""
-        mine = [jid for jid, (c, _) in self.waiters.items() if c == client]
-        if mine:
-            self.policy.withdraw([self.waiters[j][1] for j in mine])
-            for jid in mine:
-                del self.waiters[jid]
-                self._answer(jid, None)
-        for jid, (_, c) in list(self.running.items()):
-            if c == client:
-                self._drop_running(jid)
-        for jid in [j for j, f in self.fractions.items() if f[4] == client]:
-            self._end_fraction(jid)
-        self.preempted = {j: p for j, p in self.preempted.items() if p[1] != client}
-        self.keys = {k: j for k, j in self.keys.items()
-                     if j in self.waiters or j in self.running or j in self.preempted or j in self.fractions}
-        self.tasks = {j: k for j, k in self.tasks.items() if j in self.waiters or j in self.running}
-        self.specs = {j: v for j, v in self.specs.items() if j in self.waiters or j in self.running}
-        self._dispatch()
 
     # -- handlers -----------------------------------------------------------------------
     async def place(self, key: str, tenant: str, gpus: float, estimate: float, priority: int = 0,
                     workers: list[str] | None = None, client: str = "", preemptible: bool = False,
                     task: str | None = None, width: int = 0, types: list[str] | None = None,
-                    memory: float | None = None) -> dict[str, Any] | None:
+                    memory: float | None = None, warm: str | None = None) -> dict[str, Any] | None:
         """Queue one run under the client's `key`; once the policy starts it, return where:
         `{"workers": [address, ...], "devices": [[device key, ...], ...] | None, "shares": [...]}` (one entry
         per worker: a gang has several, member 0 first; `devices` None where the worker's devices are not
@@ -363,7 +120,9 @@ class GPUQueuePlugin(SchedulerPlugin):
 
         `gpus` below 1 is a fraction of one device (`memory` GB of it, default its share); whole GPUs may ask
         for `memory` GB per device; `types` restricts the device types; `width` fixes a gang's hosts. A
-        `preemptible` run names the Dask key it will run under (`task`): the key a preemption stops.
+        `preemptible` run names the Dask key it will run under (`task`): the key a preemption stops. `warm`: the
+        key of its body (dask_gpu.queue_warm): an idle warm body of that key takes it first, and the answer names
+        it (`body`).
         """
         addresses = self._addresses(workers)
         await self._known(addresses if workers else list(self.addresses))
@@ -377,14 +136,19 @@ class GPUQueuePlugin(SchedulerPlugin):
             fit = self._open_fit(spec, hosts)
             job = Job(id=jid, tenant=tenant, gpus=1, submit=time.time(), estimate=estimate, priority=priority,
                       hosts=hosts)
-            if fit is not None:  # a shared device has room: start now, whatever waits for whole GPUs
+            if warm:
+                self.warm_keys[jid] = warm
+            if warm and self._reuse(job, client, spec):  # an idle warm body of its key: its place, as it is
+                pass
+            elif fit is not None:  # a shared device has room: start now, whatever waits for whole GPUs
                 self._start_fraction(jid, client, fit[0], fit[1], spec, job)
             else:  # it opens a device: a one-GPU run for the policy
                 self.specs[jid] = spec
                 self._enter(job, client)
+                self._note_waiting(jid, warm)
         else:
             jid = self.enter(tenant, int(gpus), estimate, priority, workers, client, preemptible, width=width,
-                             spec=spec)
+                             spec=spec, warm=warm)
             self.keys[key] = jid
         if task is not None:
             self.tasks[jid] = task
@@ -409,7 +173,7 @@ class GPUQueuePlugin(SchedulerPlugin):
 
     def enter(self, tenant: str, gpus: int, estimate: float, priority: int = 0,
               workers: list[str] | None = None, client: str = "", preemptible: bool = False, width: int = 0,
-              spec: Spec | None = None) -> int:
+              spec: Spec | None = None, warm: str | None = None) -> int:
         """Queue one run; returns its id (then `wait` for the worker it must run on)."""
         addresses = self._addresses(workers)
         hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
@@ -418,7 +182,12 @@ class GPUQueuePlugin(SchedulerPlugin):
         if spec is not None:
             self.specs[job.id] = spec
         self.answers[job.id] = asyncio.get_running_loop().create_future()
+        if warm and not job.width:
+            self.warm_keys[job.id] = warm
+            if self._reuse(job, client, spec or Spec()):  # an idle warm body of its key: its place, as it is
+                return job.id
         self._enter(job, client)
+        self._note_waiting(job.id, warm if not job.width else None)
         return job.id
 
     def _enter(self, job: Job, client: str) -> None:
@@ -463,6 +232,7 @@ class GPUQueuePlugin(SchedulerPlugin):
         """
         id = self.keys.pop(id, -1)
         self.tasks.pop(id, None)
+        self.warm_keys.pop(id, None)
         preempted_for, _ = self.preempted.pop(id, (None, ""))
         if id in self.waiters:
             _, job = self.waiters.pop(id)
@@ -483,9 +253,10 @@ class GPUQueuePlugin(SchedulerPlugin):
         out: dict[str, Any] = {"queued": self.policy.waiting(), "running": len(self.running) + len(self.fractions),
                                "free": dict(zip(self.addresses, self.state.free)),
                                "fractions": len(self.fractions),
-                               "devices": {a: {d.key: ("whole" if d.whole is not None else round(d.share / _UNITS, 6))
+                               "devices": {a: {d.key: ("whole" if d.whole is not None else round(d.share / UNITS, 6))
                                                for d in ds} for a, ds in self.devices.items()},
                                "weights": dict(getattr(self.policy, "weights", {})), "preempted": self.preemptions,
+                               "warm": self.warm_status(), "evicted": self.evictions,
                                "names": {a: str(ws.name) for a, ws in self.scheduler.workers.items()}}  # what people read
         if runs:
             now = time.time()
@@ -527,6 +298,8 @@ class GPUQueuePlugin(SchedulerPlugin):
     def _dispatch(self) -> None:
         if not self.waiters:
             return
+        if self.warm:
+            self._reuse_waiting()
         now = time.time()
         self._preempt(now)
         full: set[tuple[Spec, frozenset[int] | None]] = set()  # no shared device holds these: skip their like
@@ -565,6 +338,8 @@ class GPUQueuePlugin(SchedulerPlugin):
             devices, shares = self._assign(job.id, start.holds, job.gpus, spec) if not spec.share else (None, [spec.share])
             self._answer(job.id, {"workers": [self.addresses[h] for h in start.hosts], "devices": devices,
                                   "shares": shares})
+        if self._evict_for_waiting():  # idle warm bodies held what runs wait for: the next pass places them
+            self._dispatch_soon()
 
     def _preempt(self, now: float) -> None:
         """Stop the runs the policy takes back: their GPUs are free for this pass; their workers stop them."""
@@ -580,20 +355,6 @@ class GPUQueuePlugin(SchedulerPlugin):
         for worker, keys in by_worker.items():  # the worker's stop path, as a client's request_stop takes
             msg = {"op": "gpu_stop", "keys": keys}
             asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
-
-
-@contextmanager
-def _contained(what: str, key: str) -> Iterator[None]:
-    """A stream message the queue fails on is logged and dropped: an exception in a stream handler would close the
-    whole stream, and with it the control plane's connection to the scheduler (every run on it lost)."""
-    try:
-        yield
-    except Exception:
-        logger.exception("the cluster's queue could not take %s of %s; dropped", what, key)
-
-
-def _device_order(key: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in key.split(":") if x.isdigit())
 
 
 def _fields(job: Job) -> dict[str, Any]:

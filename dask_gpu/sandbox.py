@@ -28,7 +28,7 @@ import heapq
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 from distributed import get_worker
 from distributed.comm import get_address_host
@@ -37,16 +37,33 @@ from distributed.worker import thread_state
 from pydantic import BaseModel, ConfigDict
 
 from dask_gpu.child import WORKER_ENV, WORKER_NAME_ENV
-from dask_gpu.execute import DeviceRun, gpu_env, hold_devices
-from dask_gpu.plugin import PLUGIN_NAME, GPUWorkerPlugin
+from dask_gpu.bodies import BodyProcess
+from dask_gpu.execute import DEVICE_WAIT_SECONDS, DeviceRun, gpu_env, hold_devices
+from dask_gpu.plugin import PLUGIN_NAME, WARM_HOLD, GPUWorkerPlugin
 from dask_gpu.errors import DaskGPUError, DeviceUnavailable
 from dask_gpu.gang import free_port, members_env
 from dask_gpu.results import ResultRef
 from dask_gpu.tickets import MEET_OP, PLACED_TOPIC, REDEEM_OP, Ticket, TicketRejected, digest, verify_signature
-from dask_gpu.zygote import kill_group, recv_msg, send_msg, wait_readable
+from dask_gpu.framing import recv_msg, send_msg, wait_readable
+from dask_gpu.zygote import kill_group
 
 POLL_SECONDS = 0.1
 GANG_MEET_SECONDS = 120.0  # how long a gang member holding its devices waits for the others
+
+
+class BodyInfo(BaseModel):
+    """Which body process ran a run, and how: the evidence that a model was loaded once per body."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    start: Literal["cold", "warm"]  # a fresh process, or a warm body of the same key that ran earlier runs
+    runs: int = 1  # the runs this body has run, this one included
+    idle_before: float = 0.0  # a warm start: how long the body waited idle for this run
+    setup_seconds: float = 0.0  # how long loading the code took in this run (a cold start's import, a class's __init__)
+    kept: bool = False  # it stays warm after this run, for `keep` seconds at most
+    keep: float = 0.0
+    peak_memory_mb: float | None = None  # its cgroup's peak memory so far (None: no cgroup)
 
 
 class Outcome(BaseModel):
@@ -67,6 +84,7 @@ class Outcome(BaseModel):
     member: int = 0  # which member of a gang this was (0 for a run on one host)
     logs: list[tuple[int, str]] = []
     reports: list[dict[str, Any]] = []
+    body: BodyInfo | None = None  # which body ran it (None: it never reached one)
 
 
 class Body(BaseModel):
@@ -80,6 +98,7 @@ class Body(BaseModel):
     member: int = 0  # gang runs: which member this is (0 .. hosts-1)
     devices: list[str] | None = None  # the device keys the cluster's queue chose for it (None: the worker chooses)
     queue_key: str | None = None  # its key in the cluster's queue: told the devices are free the moment the body ends
+    warm_body: str | None = None  # the idle warm body the cluster's queue chose for it (None: a body of its own)
 
 
 def _plugin() -> tuple[Any, GPUWorkerPlugin]:
@@ -161,30 +180,27 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
     assert ticket is not None
     if digest(body.payload) != ticket.payload_digest:
         raise TicketRejected(f"ticket for run {ticket.run} was issued for other bytes than these: altered")
-    if plugin.tenants is not None:  # a worker that does not isolate serves one tenant; refused before it is redeemed
-        plugin.tenants.admit(ticket.tenant, ticket.run)
+    if plugin.tenants is None:  # its isolation was never decided (a setup that failed): it runs nobody's body
+        raise TicketRejected(f"worker {worker.address} has no isolation plan (its GPU plugin's setup failed): it runs "
+                             "no body; see the worker's log")
+    plugin.tenants.admit(ticket.tenant, ticket.run)  # an unisolated worker serves one tenant: refused before redeeming
     key = str(getattr(thread_state, "key", None) or ticket.id)
     _redeem(worker, ticket, body.member, key)  # cluster-wide (a re-run elsewhere is refused, and listed)
     ticket.check_worker(worker.address, body.member, str(worker.name or ""))  # neither rests on the scheduler's memory
     _redeem_here(plugin, ticket, body.member)
     request = ticket.member_request(body.member)
     _secede()
-    # The child is forked (after its modules are imported, once per worker) before devices are held, so
-    # neither the wait for devices nor the first import counts as the body's GPU time.
-    identity, uid = plugin.run_identity()
+    proc, idle_before = plugin.bodies.take(body.warm_body, ticket.warm, body.devices)
+    start = "cold" if proc is None else "warm"
+    if proc is None:
+        proc = _start_body(worker, plugin, ticket, body, request, key)
+    else:
+        proc.tenant == ticket.tenant or _refuse(ticket, proc)  # the key names the tenant; checked once more
+        plugin.allocator.rename(proc.hold, key)
+        proc.hold = key
+    result: dict[str, Any] = {}
     try:
-        sock = plugin.zygote_for(ticket.tenant).connect(body.modules, identity)
-    except BaseException:
-        plugin.release_identity(uid)
-        raise
-    try:
-        try:
-            pid = json.loads(recv_msg(sock))["pid"]
-        except (EOFError, OSError, ValueError, KeyError):
-            raise DaskGPUError(f"run {ticket.run}: the zygote of tenant {ticket.tenant or '(none)'} on worker "
-                               f"{worker.address} ended before it started the body (isolation: "
-                               f"{plugin.isolation.mode if plugin.isolation else '?'}); see the worker's log") from None
-        with hold_devices(request, body.devices) as lease:
+        with hold_devices(request, body.devices, held=proc.devices) as lease:
             plugin.renew([key], ticket.lease_seconds)
             worker.log_event(PLACED_TOPIC, {"ticket": ticket.id, "member": body.member, "key": key,
                                             "devices": [d.key for d in lease.devices],
@@ -192,29 +208,90 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
             try:
                 env, why = _meet(worker, plugin, key, ticket, body.member, lease.devices) if request.gpus else ({}, None)
                 if why:
-                    kill_group(pid)
-                    result: dict[str, Any] = {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
+                    result = {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
                 else:
-                    result = _run_child(plugin, key, ticket, body, lease.devices, worker.address, sock, pid, env)
+                    result = _run_child(plugin, key, ticket, body, lease.devices, worker.address, proc, env)
             finally:
                 plugin.forget_lease(key)
-    except BaseException:
-        sock.close()
-        raise
     finally:
+        kept = _after_run(plugin, ticket, body, proc, result)
+    info = BodyInfo(id=proc.id, start=start, runs=proc.runs, idle_before=idle_before, kept=kept,
+                    keep=ticket.keep_warm if kept else 0.0, setup_seconds=result.pop("setup_seconds", 0.0),
+                    peak_memory_mb=result.pop("peak_memory_mb", None))
+    return Outcome(run=lease.run(), member=body.member, body=info, **result)
+
+
+def _peak_mb(proc: BodyProcess) -> float | None:
+    try:
+        peak = proc.cgroup.peak_memory_bytes() if proc.cgroup is not None else None
+    except OSError:
+        return None
+    return None if peak is None else round(peak / 2**20, 1)
+
+
+def _refuse(ticket: Ticket, proc: BodyProcess) -> None:
+    raise TicketRejected(f"run {ticket.run} of tenant {ticket.tenant!r} was sent to a warm body of tenant "
+                         f"{proc.tenant!r}: refused")
+
+
+def _start_body(worker: Any, plugin: GPUWorkerPlugin, ticket: Ticket, body: Body, request: Any, key: str) -> BodyProcess:
+    """A fresh body for this run: forked by its tenant's zygote (after its modules are imported, once per worker)
+    before its devices are held, so neither the wait for devices nor the zygote's imports count as GPU time."""
+    identity, uid = plugin.run_identity()
+    try:
+        sock = plugin.zygote_for(ticket.tenant).connect(body.modules, identity)
+    except BaseException:
         plugin.release_identity(uid)
-    sock.close()
+        raise
+    try:
+        pid = json.loads(recv_msg(sock))["pid"]
+    except (EOFError, OSError, ValueError, KeyError):
+        sock.close()
+        plugin.release_identity(uid)
+        raise DaskGPUError(f"run {ticket.run}: the zygote of tenant {ticket.tenant or '(none)'} on worker "
+                           f"{worker.address} ended before it started the body (isolation: "
+                           f"{plugin.isolation.mode if plugin.isolation else '?'}); see the worker's log") from None
+    proc = BodyProcess(tenant=ticket.tenant, key=ticket.warm, sock=sock, pid=pid, uid=uid,
+                       workdir=plugin.workdir_of(identity))
+    plugin.bodies.add(proc)
+    try:
+        if request.gpus:
+            proc.devices = plugin.allocator.acquire(key, request, timeout=DEVICE_WAIT_SECONDS, devices=body.devices)
+            proc.hold = key
+        plugin.contain(proc, request.gpus)  # its cgroup, before it reads a byte of the run
+    except BaseException:
+        plugin.bodies.end(proc, "it could not be set up")
+        raise
+    return proc
+
+
+def _after_run(plugin: GPUWorkerPlugin, ticket: Ticket, body: Body, proc: BodyProcess, result: dict[str, Any]) -> bool:
+    """Keep the body warm for the next run of its key, or end it; tell the cluster's queue its place is free."""
+    alive = bool(result) and not result.get("stopped") and not result.get("died")
+    result.pop("died", None)
+    keep = (alive and ticket.keep_warm > 0 and bool(ticket.warm) and bool(body.queue_key) and ticket.hosts <= 1
+            and not body.member)
+    if keep:
+        warm_hold = f"{WARM_HOLD}{proc.id}"
+        plugin.allocator.rename(proc.hold, warm_hold)
+        proc.hold = warm_hold
+        keep = plugin.bodies.park(proc, ticket.keep_warm)
+    if not keep:
+        plugin.bodies.end(proc, "its run was stopped" if result.get("stopped") else "its run ended")
     if body.queue_key:  # the next run may have these devices now, not once the control plane has fetched this result
-        plugin.devices_freed(body.queue_key)
-    return Outcome(run=lease.run(), member=body.member, **result)
+        plugin.devices_freed(body.queue_key, warm=proc.id if keep else None, keep=ticket.keep_warm)
+    return keep
 
 
 def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, devices: tuple[Any, ...],
-               address: str, sock: Any, pid: int, rendezvous: dict[str, str]) -> dict[str, Any]:
+               address: str, proc: BodyProcess, rendezvous: dict[str, str]) -> dict[str, Any]:
+    """One run in `proc`: send it, wait for its result (or stop it: the body is then killed with what it started)."""
     stop = plugin.stop_event(key)
     env = {**body.env, **rendezvous, WORKER_ENV: address, WORKER_NAME_ENV: plugin.worker_name}
     if devices:
         env.update({k: v for k, v in gpu_env(devices, base={}).items()})
+    sock = proc.sock
+    proc.runs += 1
     try:
         send_msg(sock, json.dumps({"env": env, "code_digest": ticket.code_digest,
                                    "devices": [d.model_dump() for d in devices]}).encode())
@@ -222,25 +299,30 @@ def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, de
         while not wait_readable(sock, POLL_SECONDS):
             why = "stop requested" if stop.is_set() else plugin.lease_expired(key) or plugin.abandoned(key)
             if why:
-                kill_group(pid)
+                kill_group(proc.pid)
                 return {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
-        try:
-            meta = json.loads(recv_msg(sock))
-            blob = recv_msg(sock)
-        except (EOFError, OSError, ValueError):
-            why = "stop requested" if stop.is_set() else plugin.lease_expired(key)
-            if why:
-                return {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
-            return {"ok": False, "error_type": "builtins.SystemExit",
-                    "error_message": "the task's process died without a result (killed, or it called os._exit)"}
-    finally:
-        sock.close()
+        meta = json.loads(recv_msg(sock))
+        blob = recv_msg(sock)
+    except (EOFError, OSError, ValueError):
+        why = "stop requested" if stop.is_set() else plugin.lease_expired(key)
+        if why:
+            return {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
+        if proc.cgroup is not None and proc.cgroup.oom_killed():
+            from dask_gpu.isolation.cgroups import OOM_REASON
+
+            limit = proc.cgroup.limits.memory_bytes or 0
+            return {"ok": False, "died": True, "error_type": f"dask_gpu.{OOM_REASON}",
+                    "error_message": f"{OOM_REASON}: the body passed its memory limit ({limit / 2**30:.1f} GiB) and "
+                                     "was killed. Fix: ask for more (a larger GPU share), or have the operator raise "
+                                     "dask-gpu.isolation.body-memory-gb"}
+        return {"ok": False, "died": True, "error_type": "builtins.SystemExit",
+                "error_message": "the task's process died without a result (killed, or it called os._exit)"}
+    common = {"logs": meta.get("logs", []), "reports": meta.get("reports", []),
+              "setup_seconds": float(meta.get("setup_seconds") or 0.0), "peak_memory_mb": _peak_mb(proc)}
     if meta["ok"]:
         # Member 0's value is the run's (a gang's other values are dropped by the plane): only it may stay here.
         kept = plugin.results.hold(blob, ticket.expires_at - ticket.issued_at) if plugin.results and not body.member \
             else None
-        return {"ok": True, "value": b"" if kept else blob, "result": kept, "logs": meta.get("logs", []),
-                "reports": meta.get("reports", [])}
+        return {"ok": True, "value": b"" if kept else blob, "result": kept, **common}
     return {"ok": False, "error": blob, "error_type": meta.get("error_type", ""),
-            "error_message": meta.get("error_message", ""), "error_text": meta.get("error_text", ""),
-            "logs": meta.get("logs", []), "reports": meta.get("reports", [])}
+            "error_message": meta.get("error_message", ""), "error_text": meta.get("error_text", ""), **common}

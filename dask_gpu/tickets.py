@@ -66,6 +66,8 @@ class Ticket(BaseModel):
     shares: tuple[int, ...] = ()  # a gang: the GPUs each member holds on its worker (member i: shares[i])
     tenant: str = ""  # whose body this is: each tenant's bodies fork from a zygote of its own (old tickets: "")
     workers: tuple[str, ...] = ()  # where it may run (a gang: member i on workers[i]); () = any worker
+    warm: str = ""  # its body's key (tenant, principal, code, request): a warm body serves only runs of its key
+    keep_warm: float = Field(default=0.0, ge=0)  # seconds its body may wait for the next run of its key (0: it ends)
     signature: str = ""
 
     def member_request(self, member: int) -> GPURequest:
@@ -118,11 +120,12 @@ class TicketSigner:
     def issue(self, *, run: str, payload_digest: str, code_digest: str, request: GPURequest,
               ttl_seconds: float = 600.0, lease_seconds: float = 300.0, hosts: int = 1,
               shares: tuple[int, ...] | list[int] = (), tenant: str = "",
-              workers: tuple[str, ...] | list[str] = ()) -> Ticket:
+              workers: tuple[str, ...] | list[str] = (), warm: str = "", keep_warm: float = 0.0) -> Ticket:
         now = time.time()
         unsigned = Ticket(key_id=self.key_id, run=run, payload_digest=payload_digest, code_digest=code_digest,
                           request=request, issued_at=now, expires_at=now + ttl_seconds, lease_seconds=lease_seconds,
-                          hosts=hosts, shares=tuple(shares), tenant=tenant, workers=tuple(workers))
+                          hosts=hosts, shares=tuple(shares), tenant=tenant, workers=tuple(workers), warm=warm,
+                          keep_warm=keep_warm if warm and hosts <= 1 else 0.0)
         return unsigned.model_copy(update={"signature": self.sign(unsigned.body())})
 
 

@@ -28,35 +28,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import select
 import signal
 import socket
-import struct
 import sys
 import threading
 from typing import Any
-
-_LEN = struct.Struct(">Q")
-
-
-def send_msg(sock: socket.socket, data: bytes) -> None:
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    view = bytearray(n)
-    mem, got = memoryview(view), 0
-    while got < n:
-        k = sock.recv_into(mem[got:], n - got)
-        if k == 0:
-            raise EOFError("peer closed the connection")
-        got += k
-    return bytes(view)
-
-
-def recv_msg(sock: socket.socket) -> bytes:
-    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
-    return recv_exact(sock, n)
 
 
 # The worker's own packages: imported by an isolated zygote even from outside site-packages (a checkout on PYTHONPATH).
@@ -239,11 +215,6 @@ def _spawn(start: Any) -> Any:
             _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dask-gpu-zygote-spawner")
         spawner = _SPAWNER
     return spawner.submit(start).result()
-
-
-def wait_readable(sock: socket.socket, seconds: float) -> bool:
-    ready, _, _ = select.select([sock], [], [], seconds)
-    return bool(ready)
 
 
 def kill_group(pid: int) -> None:

@@ -17,10 +17,16 @@ Run it locally (declared GPUs, no GPU needed):
 
     .venv/bin/python -m flows.batch_inference
 
-A real team replaces the arithmetic in `infer` with loading the model once per worker
-(e.g. a cached `torch.load` or a vLLM engine onto `current_devices()`) and scoring real
-rows from object storage; `gpu_memory_gb=` on the task then reserves the memory the
-model needs on the shared GPU. Environment settings: see `flows/common.py`.
+The model is loaded the way a GPU team loads one: once per process, at module level behind
+a lock (`load_model`). This module reaches the workers as its source, and each shard's body
+stays *warm* after its run (5 minutes by default for inference kinds, `keep_warm=`): the next
+shard of the same task, principal and request runs in it, so the model is loaded once per
+body, not once per shard (at most 4 bodies per GPU at a quarter each). Each shard is still
+admitted, held, placed, settled and recorded on its own; the time a warm body waits idle on
+its device share is charged as `warm-idle`. A real team replaces `StandInModel` with a
+`torch.load` or a vLLM engine onto `current_devices()`, and the rows with data read from a
+shared path or object storage; `gpu_memory_gb=` then reserves the memory the model needs on
+the shared GPU. Environment settings: see `flows/common.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import threading
 import time
 from typing import Any
 
@@ -47,15 +55,44 @@ def make_shards(shards: int, rows_per_shard: int) -> list[dict[str, Any]]:
     return [{"shard": i, "rows": list(range(i * rows_per_shard, (i + 1) * rows_per_shard))} for i in range(shards)]
 
 
-def score_shard(shard: dict[str, Any], model: str, seconds: float) -> dict[str, Any]:
-    """Score one shard on this task's share of a GPU (deterministic stand-in arithmetic)."""
+class StandInModel:
+    """What a team loads once per process (weights onto its GPU); here a name, and `load_seconds` of loading.
+    Each load appends its process id to `load_log` (a file on a path every worker shares), so loads can be counted."""
+
+    def __init__(self, name: str, load_seconds: float = 0.0, load_log: str | None = None) -> None:
+        time.sleep(load_seconds)
+        self.name, self.pid = name, os.getpid()
+        if load_log:
+            with open(load_log, "a") as f:
+                f.write(f"{self.pid}\n")
+
+    def score(self, row: int) -> float:
+        return int(hashlib.sha256(f"{self.name}:{row}".encode()).hexdigest()[:8], 16) % 1000 / 1000
+
+
+_MODELS: dict[str, StandInModel] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def load_model(name: str, load_seconds: float = 0.0, load_log: str | None = None) -> StandInModel:
+    """The process's one copy of model `name`, loaded on first use."""
+    with _MODELS_LOCK:
+        if name not in _MODELS:
+            _MODELS[name] = StandInModel(name, load_seconds, load_log)
+        return _MODELS[name]
+
+
+def score_shard(shard: dict[str, Any], model: str, seconds: float, load_seconds: float = 0.0,
+                load_log: str | None = None) -> dict[str, Any]:
+    """Score one shard on this task's share of a GPU with the process's loaded model."""
     started = time.time()
     device = current_devices()[0]
-    scores = [int(hashlib.sha256(f"{model}:{row}".encode()).hexdigest()[:8], 16) % 1000 / 1000 for row in shard["rows"]]
+    scorer = load_model(model, load_seconds, load_log)
+    scores = [scorer.score(row) for row in shard["rows"]]
     time.sleep(seconds)  # the model's forward passes
     return {"shard": shard["shard"], "rows": len(scores), "mean_score": sum(scores) / len(scores),
             "worker": current_worker_name(), "device": device.key, "gpu_type": device.gpu_type,
-            "started": started, "ended": time.time()}
+            "started": started, "ended": time.time(), "pid": os.getpid()}
 
 
 def infer_task(gpu_fraction: float, seconds: float, model: str) -> Task[..., dict[str, Any]]:
@@ -89,18 +126,22 @@ def gather(results: list[dict[str, Any]], shards: int) -> dict[str, Any]:
                         "most_at_once": most_at_once([(r["started"], r["ended"]) for r in rs])}
                     for d, rs in sorted(by_device.items())},
         "results": sorted(results, key=lambda r: r["shard"]),
+        "processes": len({r["pid"] for r in results}),
         "flow_run_id": str(FlowRunContext.get().flow_run.id),
     }
 
 
 @flow(name="batch-inference", task_runner=example_runner(PRINCIPAL), log_prints=True)
 def batch_inference(shards: int = 8, gpu_fraction: float = 0.25, rows_per_shard: int = 1000,
-                    seconds_per_shard: float = 1.0, model: str = MODEL) -> dict[str, Any]:
-    """Score `shards` shards, each on `gpu_fraction` of a GPU, and gather the results."""
+                    seconds_per_shard: float = 1.0, model: str = MODEL, load_seconds: float = 0.0,
+                    load_log: str | None = None) -> dict[str, Any]:
+    """Score `shards` shards, each on `gpu_fraction` of a GPU, and gather the results. `load_seconds`: how long the
+    model takes to load in each process that loads it; `load_log`: a file on a shared path each load is noted in."""
     log = get_run_logger()
     parts = make_shards(shards, rows_per_shard)
-    futures = infer_task(gpu_fraction, seconds_per_shard, model).map(parts, model=unmapped(model),
-                                                              seconds=unmapped(seconds_per_shard))
+    futures = infer_task(gpu_fraction, seconds_per_shard, model).map(
+        parts, model=unmapped(model), seconds=unmapped(seconds_per_shard), load_seconds=unmapped(load_seconds),
+        load_log=unmapped(load_log))
     summary = gather(futures, shards)
     for device, use in summary["devices"].items():
         log.info("device %s served shards %s, at most %d at once", device, use["shards"], use["most_at_once"])

@@ -11,6 +11,10 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 # The suite's clusters run every tenant's bodies as the worker's user (its bodies write markers the tests read);
 # tests/test_isolation.py starts isolated workers of its own (dask_gpu.isolation).
 os.environ.setdefault("DASK_DASK_GPU__ISOLATION__MODE", "shared")
+# Warm bodies are off on the suite's shared control planes: an inference run's body waiting warm for 5 minutes would
+# hold its device share and its budget room into the next test. tests/test_warm_bodies.py (and the example flows'
+# test) run planes with them on.
+os.environ.setdefault("AISCHED_MAX_KEEP_WARM_SECONDS", "0")
 
 import logging
 

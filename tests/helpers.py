@@ -142,3 +142,24 @@ def workers_info(client: Any) -> dict[str, Any]:
     client's cached identity, which its periodic refresh (with no workers) may overwrite in between: seen once as
     an empty `workers` in a full run."""
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+def ledger_text(plane: Any) -> str:
+    """Every row of every table of the plane's ledger, as text: what someone who can read its database sees."""
+    import sqlalchemy as sa
+
+    engine = plane.ledger().engine
+    out = []
+    with engine.connect() as conn:
+        for table in sa.inspect(engine).get_table_names():
+            out.extend(str(tuple(row)) for row in conn.execute(sa.text(f'SELECT * FROM "{table}"')))
+    return "\n".join(out)
+
+
+def send_raw(call: Any) -> Any:
+    """Send a `RawCall` as a flow process does (`POST /v1/calls`), without fetching its result: the reply as it came."""
+    from aisched_prefect.wire import FRAME, Reply, frame, unframe
+
+    resp = call.client._send("POST", "/v1/calls", content=frame(call.meta.model_dump_json().encode(), call.blob),
+                             headers={"content-type": FRAME})
+    return Reply.model_validate_json(unframe(resp.content)[0])

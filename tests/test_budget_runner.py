@@ -408,7 +408,7 @@ def test_a_grants_budget_share_caps_what_all_its_runs_hold_together(control_plan
 def test_a_run_being_settled_takes_no_top_up():
     """The watcher's top-up and the run's settlement exclude each other: a hold taken after the settlement read
     the run's holds would stay pending, then expire charged in full for time that never ran."""
-    from aisched_prefect.control.dispatch import Running
+    from aisched_prefect.control.running import Running
 
     r = Running(admission=None, key="k", holds=[], covered_seconds=1.0, submitted=0.0)  # type: ignore[arg-type]
     reserved: list[str] = []

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from dask_gpu import GPURequest
-from dask_gpu.child import code_digest
+from dask_gpu.bodycode import code_digest
 from dask_gpu.isolation import IsolationSettings, TenantRefused, can_isolate
 from dask_gpu.sandbox import Body, run_ticketed
 from dask_gpu.tickets import TicketSigner, digest

@@ -113,7 +113,7 @@ def test_gpu_hours_equal_what_the_gpu_hours_budget_posted_where_rounding_carries
 
 
 def test_bad_options_name_the_option_and_the_fix(sqlite_url, monkeypatch, tmp_path):
-    with pytest.raises(InvalidReportOption, match=r"--by 'team'.*one of tenant, principal, flow, model, gpu-type, day"):
+    with pytest.raises(InvalidReportOption, match=r"--by 'team'.*one of tenant, principal, flow, model, gpu-type, kind, day"):
         build_report(Ledger(sqlite_url), by="team")
     with pytest.raises(InvalidReportOption, match=r"--since '31/01/2026': give a date as YYYY-MM-DD"):
         parse_when("31/01/2026", "--since")

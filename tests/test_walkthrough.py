@@ -267,5 +267,10 @@ def _check_worker_died_and_retry(out: str, home: Path) -> None:
 def _restart_scheduler(run, step: Step, shell: Shell) -> None:
     """The scheduler restarted with the control plane still up: workers back, a flow run completes."""
     out = run(step)
-    assert "free GPUs: gpu-a 2, gpu-b 2" in out, out
+    # Nothing runs or waits; the batch's quarter-GPU bodies wait warm on the GPUs the queue does not count free.
+    assert "queue: 0 running, 0 waiting" in out, out
+    free = {name: int(n) for name, n in re.findall(r"\b(gpu-[ab]) (\d)\b", out.split("free GPUs:", 1)[1].split(";")[0])}
+    warm_devices = set(re.findall(r"│ (gpu-[ab]) +│ (\d) +│[^\n]*warm body \(examples", out))
+    assert set(free) == {"gpu-a", "gpu-b"} and 1 <= len(warm_devices) <= 2, out
+    assert sum(free.values()) == 4 - len(warm_devices), out
     assert_loopback_only(shell, expect=7)  # the restarted scheduler and workers listen where the page says too

@@ -220,7 +220,7 @@ def test_a_rerun_dask_does_by_itself_is_refused_and_listed_by_the_registry(tmp_p
 
     from aisched_prefect.control.service import load_or_make_key
     from dask_gpu import GPURequest
-    from dask_gpu.child import code_digest
+    from dask_gpu.bodycode import code_digest
     from dask_gpu.sandbox import Body, run_ticketed
     from dask_gpu.tickets import TicketRejected, TicketSigner, digest, install_registry
 

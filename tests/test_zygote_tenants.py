@@ -16,11 +16,12 @@ import cloudpickle
 import psutil
 import pytest
 
-from dask_gpu.child import code_digest
+from dask_gpu.bodycode import code_digest
 from dask_gpu.inventory import WorkerInventory
 from dask_gpu.isolation import IsolationPlan, IsolationSettings, can_isolate, devices, filesystem
 from dask_gpu.plugin import GPUWorkerPlugin
-from dask_gpu.zygote import Zygote, recv_msg, send_msg
+from dask_gpu.framing import recv_msg, send_msg
+from dask_gpu.zygote import Zygote
 
 
 def _bodies():

@@ -26,11 +26,13 @@ from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
 from aisched_prefect.control.approvals import ApprovalBook, ApprovalError
 from aisched_prefect.control import records
-from aisched_prefect.control.calls import CallBook, CallTakenOver, call_key
+from aisched_prefect.control.calls import TOKEN_PURPOSE, CallBook, CallTakenOver, TokenSeal, call_key, callers_key
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
-from aisched_prefect.control.dispatch import BodyParts, Dispatcher, denied, emit_budget_alert
+from aisched_prefect.control.dispatch import Dispatcher
+from aisched_prefect.control.running import BodyParts, denied
+from aisched_prefect.control.settlement import emit_budget_alert
 from aisched_prefect.control.identity import Credential, Role, new_credential, parse_token
-from aisched_prefect.control.keys import load_or_make_key, write_private  # noqa: F401 - where callers look
+from aisched_prefect.control.keys import derived_secret, load_or_make_key, write_private  # noqa: F401 - where callers look
 from aisched_prefect.control.state import CONFIG_KINDS, Applied, AuthorityState, content_digest
 from aisched_prefect.control.watcher import Watcher
 from aisched_prefect.errors import (
@@ -82,10 +84,34 @@ class Busy(AISchedError):
     status = 409
 
 
+class NoKeptResult(AISchedError):
+    """A report of a lost result about a call that is not the caller's, not done, or whose result was not kept on a
+    worker (404: another caller's call is not told apart from one that does not exist)."""
+
+    status = 404
+
+
 class TooMuchInFlight(AISchedError):
     """One credential's runs or body bytes in flight reached their limit (429)."""
 
     status = 429
+
+
+def _check_shipped(fn_bytes: bytes, said: str) -> None:
+    """Code that travels as source is hashed here, from the bytes that will run: a call whose digest is not its
+    source's is refused before anything is held (the body checks it again; pickled code only the body can check)."""
+    from pydantic import ValidationError
+
+    from dask_gpu.bodycode import shipped_digest
+
+    try:
+        found = shipped_digest(fn_bytes)
+    except (ValidationError, ValueError) as exc:
+        raise InvalidAIRequest(f"the call's shipped source is malformed ({type(exc).__name__}). Fix: send the code "
+                               "as aisched_prefect's runner does (dask_gpu.bodycode.ship)") from None
+    if found is not None and found != said:
+        raise InvalidAIRequest(f"code_digest {said[:12]}... is not the digest of the call's shipped source "
+                               f"({found[:12]}...). Fix: compute it with ShippedCode.digest() over the files sent")
 
 
 def _digest_parts(*parts: bytes) -> str:
@@ -210,11 +236,14 @@ class ControlPlane:
 
                 install_queue(self.client, weights=self.tenant_weights())
             self.dispatcher = Dispatcher(self.client, self.signer, self.ledger, self.state, settings, queue=queue)
+            self._stack.callback(self.dispatcher.warm.close)  # before the client closes: bodies end, idle time settled
             self.admitter = Admitter(self.ledger, self.state, self.dispatcher.inventories, self.replica)
             self.approvals = ApprovalBook(self.ledger, self.state, base_url)
             self.admitter.existing_approval = self.approvals.find
             self.admitter.before_asking = self._check_open_approvals
-            self.calls = CallBook(self.ledger, self.replica, base_url)
+            # A completed call's result token is kept sealed under a key only the plane's key file gives.
+            self.calls = CallBook(self.ledger, self.replica, base_url,
+                                  seal=TokenSeal(derived_secret(self.key, TOKEN_PURPOSE)))
             self.outcomes = OutcomeBook(settings.session_lease_seconds, on_abandoned=self.abandon)
             chores = [(settings.drift_seconds, self.record_drift),
                       (min(settings.hold_lease_seconds / 3, 30.0), self.approvals.tend),  # holds of waiting requests
@@ -562,6 +591,7 @@ class ControlPlane:
         payload_digest = _digest_parts(fn_bytes, args_bytes)
         args_digest = digest(args_bytes)
         function_digest = digest(fn_bytes)  # the code identity, from the bytes received (never unpickled)
+        _check_shipped(fn_bytes, meta.code_digest)
         owner = self.calls.owner(meta.flow_run_id, _who(cred))
         if owner != _who(cred):
             raise Unauthorized(f"flow run {meta.flow_run_id} belongs to {owner!r}: a flow files its calls under its "
@@ -577,13 +607,15 @@ class ControlPlane:
             raise Busy(f"this call is running on replica {row.replica}: wait for it (the client retries)")
         if claim == "done" and session is not None and self.outcomes.holds(session, key):
             return Reply(status="accepted", key=key), b""  # sent again after a cut: its outcome is on the stream
-        if claim == "done":  # its reply was lost in transit: say so, never run it twice
-            old = Reply.model_validate(row.reply)
-            if old.status != "completed":
+        if claim == "done":  # its reply was lost in transit (or this replica restarted): never run it twice
+            stored, why = self.calls.reply(key, row.reply)
+            old = Reply.model_validate(stored)
+            if old.status != "completed" or old.result_ref is not None:  # a large result: still on its worker
                 return old.model_copy(update={"key": key}), b""
+            lost = why or "its result's bytes travelled on the connection that was lost"
             return Reply(status="failed", key=key, admission=old.admission, error_type="aisched_prefect.ResultLost",
-                         error_message="the call completed (and was charged once) but its result was lost with the "
-                         "connection; retry the task to run it again"), b""
+                         error_message=f"the call completed (and was charged once) but its result is lost: {lost}; "
+                         "retry the task to run it again"), b""
         try:
             if claim == "takeover" and row.admission is not None:
                 admission = Admission.model_validate(row.admission)
@@ -642,6 +674,32 @@ class ControlPlane:
         except Exception:  # the outcome still reaches its caller; the call book is retried by a takeover
             logger.exception("could not file the reply of call %s", key)
         self.outcomes.put(key, reply, out)
+
+    def result_lost(self, cred: Credential, key: str, reason: str) -> dict[str, Any]:
+        """A flow could not fetch its completed call's large result from the worker that kept it (every attempt failed:
+        404, refused, cut, timed out). The run stays settled as it ran (charged); one `result-lost` record about its
+        admission says so, naming the worker (as the call book has it) and the flow's reason. Reported again: the
+        record already filed."""
+        if cred.role != "flow":
+            raise Unauthorized("only a flow's credential reports its lost results", 403)
+        row = self.calls.get(key) if callers_key(_who(cred), key) else None
+        reply = (row.reply or {}) if row is not None and row.status == "done" else {}
+        ref = reply.get("result_ref")
+        if reply.get("status") != "completed" or not isinstance(ref, dict) or row.admission is None:
+            raise NoKeptResult(f"no completed call {key!r} of yours kept its result on a worker. Fix: report the key "
+                               "of the reply whose result_ref could not be fetched")
+        adm = Admission.model_validate(row.admission)
+        about = self.ledger.records_about(adm.task_run_id)
+        for r in about:
+            if r.kind == "result-lost" and r.payload.get("call") == key:
+                return {"record": r.seq, "kind": r.kind, "already": True}
+        settled = [r.seq for r in about if r.kind == "settlement" and r.payload.get("admission") == adm.id]
+        rec = records.record(self.ledger, records.ResultLostRecord(
+            call=key, task=adm.task_name, admission=adm.id, worker=str(ref.get("url", "")), reason=reason[:1000],
+            settlement=settled[-1] if settled else None, reported_by=cred.principal), **adm.ids)
+        logger.warning("AI task %s (admission %s): its flow could not fetch its result from %s: %s", adm.task_name,
+                       adm.id, ref.get("url"), reason[:200])
+        return {"record": rec.seq, "kind": rec.kind, "already": False}
 
     def abandon(self, keys: list[str]) -> None:
         """A flow process stopped polling for its outcomes: its runs still waiting in the queue are taken out."""

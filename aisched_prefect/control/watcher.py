@@ -17,7 +17,9 @@ from typing import Any
 import time
 
 from aisched_prefect.control import stages
-from aisched_prefect.control.dispatch import Dispatcher, Running
+from aisched_prefect.control.admission import Admission
+from aisched_prefect.control.dispatch import Dispatcher
+from aisched_prefect.control.running import Running
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.settings import Settings
 from blocks import ChainBroken, Usage
@@ -78,6 +80,7 @@ class Watcher:
                 if running:
                     self.stop_broken(running)
                     self.enforce_cover(running)
+                self.dispatcher.warm.end_broken(self.why_broken)  # idle warm bodies: ended within a poll
                 now = time.monotonic()
                 if running and now - leases_at >= self.settings.body_lease_seconds / 3:
                     handed = [k for r in running.values() if r.dask_at is not None for k in r.dask_keys]
@@ -97,10 +100,9 @@ class Watcher:
             except Exception:  # keep watching; the next poll retries
                 logger.exception("watcher failed; retrying")
 
-    def why_broken(self, r: Running) -> str | None:
-        """Why this run's authority no longer stands, or None."""
+    def why_broken(self, adm: Admission) -> str | None:
+        """Why this admission's authority no longer stands (a run's, or a warm body's last run's), or None."""
         snap = self.state.snapshot
-        adm = r.admission
         cred = snap.credentials.get(adm.credential)
         if cred is None or cred.revoked:
             return f"the credential of {adm.principal!r} was revoked"
@@ -129,7 +131,7 @@ class Watcher:
                 self._checked.add(key)
                 adm = r.admission
                 k = (adm.credential, adm.chain[-1] if adm.chain else "", adm.facts)
-                why = memo[k] if k in memo else memo.setdefault(k, self.why_broken(r))
+                why = memo[k] if k in memo else memo.setdefault(k, self.why_broken(r.admission))
                 if why is not None:
                     victims[key] = why
         if victims:

@@ -17,7 +17,7 @@ from aisched_prefect.ledger.engine import clock
 from aisched_prefect.ledger.limits import rolling_seconds
 from aisched_prefect.ledger.schema import accounts, budget_limits, evidence, holds
 
-SETTLED_KINDS = ("settlement",)  # evidence kinds that close a run that may have run
+SETTLED_KINDS = ("settlement", "warm-idle")  # evidence kinds that close a run (or a warm body's idle time)
 ASKED_KINDS = ("admission", "approval-requested", "top-up")
 
 

@@ -9,7 +9,8 @@ nodes). `plan_for` decides, once at the worker's start, in which mode it runs:
 - `isolated`: the worker runs as root and bubblewrap is there (how a GPU host's worker runs). Each tenant
   gets a zygote of its own inside a bwrap sandbox; each body gets its own UID, PID and mount namespaces.
 - `unisolated`: it cannot isolate (not root, or no bwrap): bodies run as the worker's user, and the worker
-  serves one tenant only: the one it was started for (`--tenant NAME`), else the first whose body it ran.
+  serves one tenant only, the one it was started for (`--tenant NAME`, required: a worker without it refuses
+  to start, since a tenant learned from the first body would be forgotten when its nanny restarts it).
 - `shared`: the operator said so (`--isolation shared`): bodies of every tenant run as the worker's user,
   as in plain Dask. For one trusted team, or a test cluster; it is logged and advertised as such.
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import threading
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -54,6 +54,10 @@ class IsolationSettings(BaseModel):
     bodies_dir: str | None = None  # each body's working directory lives under it (default: the worker's local dir)
     uid_locks: str = "/run/dask-gpu/uids"  # this host's workers lease body UIDs here, one at a time each (flock)
     extra_paths: tuple[str, ...] = Field(default=())  # more read-only paths a body may read (datasets, models)
+    cgroups: bool = True  # a cgroup per body (memory, PIDs, CPU share, devices) where the worker may make them
+    body_memory_gb: float | None = Field(default=None, gt=0)  # each body's memory bound (None: its GPU share of
+    # the host's memory, as Slurm's DefMemPerGPU)
+    body_pids: int = Field(default=4096, ge=16)  # most processes and threads one body may have at once
 
     @field_validator("body_uids", mode="before")
     @classmethod
@@ -140,7 +144,7 @@ class IsolationPlan(BaseModel):
             return "shared: bodies of every tenant run as the worker's own user (the operator chose --isolation shared)"
         tenant = self.settings.tenant
         return (f"unisolated ({self.why}): bodies run as the worker's own user; it serves "
-                + (f"tenant {tenant} only" if tenant else "the first tenant whose body it runs, and refuses others"))
+                + (f"tenant {tenant} only" if tenant else "no tenant (it was started without --tenant)"))
 
 
 def plan_for(settings: IsolationSettings | None = None) -> IsolationPlan:
@@ -153,33 +157,38 @@ def plan_for(settings: IsolationSettings | None = None) -> IsolationPlan:
         return IsolationPlan(mode="isolated", settings=settings)
     if settings.mode == "isolated":
         raise IsolationError(f"--isolation isolated: {why}. Fix: run the worker as root with bubblewrap installed, "
-                             "or start it for one tenant (--tenant NAME)")
+                             "or start it for one tenant (--isolation unisolated --tenant NAME)")
+    if not settings.tenant:  # its one tenant is fixed at start: one learned from a body dies with the process
+        said = ("--isolation unisolated" if settings.mode == "unisolated"
+                else f"this worker cannot isolate bodies ({why}), so it")
+        raise IsolationError(f"{said} serves one tenant, fixed at start, and none was given. Fix: start it for that "
+                             "tenant (--tenant NAME; dask config dask-gpu.isolation.tenant), run it as root with "
+                             "bubblewrap installed (isolated), or --isolation shared for one trusted team")
     return IsolationPlan(mode="unisolated", settings=settings, why=why)
 
 
 class TenantGate:
-    """Which tenants' bodies a worker runs: any (isolated, shared, unless started for one), else only one."""
+    """Which tenants' bodies a worker runs: any (isolated, shared, unless started for one), else only the one it was
+    started for (unisolated; `plan_for` refuses an unisolated worker without one, and a plan made without one here
+    admits nobody). Nothing is learned from the bodies it runs: what a restart would forget never decides."""
 
     def __init__(self, plan: IsolationPlan) -> None:
         self.plan = plan
-        self._lock = threading.Lock()
-        self._first: str | None = plan.settings.tenant
 
     def admit(self, tenant: str, run: str) -> None:
         """Raise TenantRefused unless this worker may run a body of `tenant` (a ticket's tenant: signed)."""
         if self.plan.mode == "shared":
             return
-        with self._lock:
-            if self._first is None and self.plan.mode == "unisolated":
-                self._first = tenant
-            only = self._first if self.plan.mode == "unisolated" else self.plan.settings.tenant
+        only = self.plan.settings.tenant
+        if only is None and self.plan.mode == "unisolated":
+            raise TenantRefused(f"run {run} of tenant {tenant or '(none named)'!r} is refused: this worker does not "
+                                "isolate bodies and was started for no tenant. Fix: restart it for one tenant "
+                                "(dask-gpu-worker --tenant NAME), or as root with bubblewrap (isolated)")
         if only is not None and tenant != only:
-            how = ("it was started for that tenant (--tenant)" if self.plan.settings.tenant
-                   else "it does not isolate bodies and already ran that tenant's")
-            raise TenantRefused(f"run {run} of tenant {tenant or '(none named)'!r} is refused: this worker serves tenant "
-                                f"{only!r} only, because {how}. Fix: run bodies of several tenants on a worker started "
-                                "as root with bubblewrap (isolated), or give each tenant workers of its own "
-                                "(dask-gpu-worker --tenant NAME)")
+            raise TenantRefused(f"run {run} of tenant {tenant or '(none named)'!r} is refused: this worker serves "
+                                f"tenant {only!r} only, because it was started for that tenant (--tenant). Fix: run "
+                                "bodies of several tenants on a worker started as root with bubblewrap (isolated), or "
+                                "give each tenant workers of its own (dask-gpu-worker --tenant NAME)")
 
 
 __all__ = ["IsolationError", "IsolationPlan", "IsolationSettings", "TenantGate", "TenantRefused", "can_isolate",

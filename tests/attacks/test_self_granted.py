@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from blocks import ApprovalPolicyBlock, ApprovalRule
-from dask_gpu.child import code_digest
+from dask_gpu.bodycode import code_digest
 from tests.attacks.support import PRINCIPAL, authority, budget, infer, kinds, outcome, root, run_flow, tenant, uid
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

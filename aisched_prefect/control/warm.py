@@ -1,0 +1,186 @@
+"""The control plane's books of warm bodies: whose idle time each one's device share is, held and settled once.
+
+A body that stays warm after a run (dask_gpu.bodies) keeps its device share while it waits for the next run of its
+key: that time is its principal's, charged as its own kind (`warm-idle`) on the budget lines of the run that left
+it warm. As the run is settled, a hold for the body's whole keep-warm time (its share of the GPU, at the GPU type it
+ran on) is taken on those lines; a hold that does not fit ends the body (no idle time is run on credit). The idle
+period ends when the next run of its key starts in it (the run's outcome says how long it waited) or when its
+worker ends it (the `aisched-warm-body` event says so); either way the hold is settled once with the idle seconds,
+at most the keep-warm time. The hold's lease runs a little past the keep-warm time, so a plane that is gone lets it
+expire charged at most that. A body whose last run's authority ended (a revoked or expired grant, a revoked
+credential) is ended within a watcher poll.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aisched_prefect.control import stages
+from aisched_prefect.control.admission import Admission
+from aisched_prefect.ledger import Hold, Ledger
+from blocks import MAX_AMOUNT, Usage
+
+logger = logging.getLogger("aisched_prefect.control")
+LEASE_MARGIN_SECONDS = 60.0  # a warm-idle hold's lease runs this far past the keep-warm time
+
+
+def warm_key(admission: Admission) -> str:
+    """What a warm body serves: one tenant's one principal's one code, with one request (devices, share, type)."""
+    text = "\0".join((admission.tenant, admission.principal, admission.code_digest, admission.request.digest))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _ids(adm: Admission, body: str, runs: int) -> dict[str, Any]:
+    """An idle period's records and holds: the run's flow run and principal, a task run id of its own (a report
+    shows it as its own row, not inside the run that left the body warm)."""
+    return {**adm.ids, "task_run_id": f"warm-{body}-{runs}"}
+
+
+def _as_run(adm: Admission, gpu_type: str | None, worker: str) -> dict[str, Any]:
+    """What a usage report reads of an idle period, as of a run: kind `warm-idle`, the share it held, where."""
+    return {"request": {"kind": "warm-idle", "gpus": adm.request.gpus, "model": adm.request.model},
+            "placement": {"gpu_type": gpu_type, "worker": worker}}
+
+
+@dataclass
+class WarmIdle:
+    """One idle period of one body: the hold that covers it and what it is charged to."""
+
+    body: str
+    runs: int  # the body's run count when it went idle (names this idle period)
+    admission: Admission  # the run that left it warm: its principal, lines and authority
+    holds: list[Hold]
+    keep: float
+    gpu_type: str | None
+    worker: str
+    since: float  # monotonic
+
+
+class WarmBooks:
+    """Idle periods of warm bodies, from the outcome that starts one to the report that ends it."""
+
+    def __init__(self, ledger: Ledger, bound: Callable[[Admission], stages.Bound],
+                 end_bodies: Callable[[list[str], str], None]) -> None:
+        self.ledger, self._bound, self._end_bodies = ledger, bound, end_bodies
+        self._idle: dict[tuple[str, int], WarmIdle] = {}
+        self._early: dict[tuple[str, int], tuple[float, str]] = {}  # ends reported before their period was booked
+        self._ending: set[str] = set()  # bodies asked to end: asked once
+        self._lock = threading.Lock()
+
+    def _lines(self, adm: Admission, gpu_type: str | None, seconds: float) -> tuple[list[Any], dict[str, float]]:
+        """The budget lines and charges of `seconds` of the run's GPU share at `gpu_type` (no tokens: idle)."""
+        bound = self._bound(adm)
+        money = bound.budget.model.actual_cost(adm.request.gpus, seconds, gpu_type or adm.priced_type)
+        used = Usage(money=money, gpu_hours=adm.request.gpus * seconds / 3600)
+        facts = adm.facts.model_copy(update={"gpu_types": (gpu_type,)}) if gpu_type else adm.facts
+        lines = stages.lines(bound, facts, used, adm.shares, self.ledger.now())
+        return lines, {line.budget: min(line.amount, MAX_AMOUNT) for line in lines}
+
+    def started(self, adm: Admission, body: dict[str, Any], gpu_type: str | None, worker: str) -> None:
+        """A run's outcome: it began an idle period (`kept`), and a warm start ended the one before it."""
+        if body.get("start") == "warm":
+            self.ended(body["id"], int(body["runs"]) - 1, float(body.get("idle_before") or 0.0), "a run of its key")
+        if not body.get("kept"):
+            return
+        key, keep = (body["id"], int(body["runs"])), float(body.get("keep") or 0.0)
+        from aisched_prefect.errors import InvalidLedgerInput
+        from aisched_prefect.ledger import BudgetExceeded
+
+        payload = {"task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body["id"],
+                   "keep_seconds": keep, "worker": worker, "admission": adm.id, **_as_run(adm, gpu_type, worker)}
+        try:
+            lines, _ = self._lines(adm, gpu_type, keep)
+            holds, _ = self.ledger.reserve(lines, kind="warm-hold", payload=payload,
+                                           lease_seconds=keep + LEASE_MARGIN_SECONDS, **_ids(adm, *key))
+        except (BudgetExceeded, InvalidLedgerInput) as exc:
+            self.ledger.record("warm-refused", {**payload, "reason": str(exc)}, **_ids(adm, *key))
+            self._end_bodies([body["id"]], f"its idle time is not covered: {exc}")
+            return
+        period = WarmIdle(body["id"], key[1], adm, holds, keep, gpu_type, worker, time.monotonic())
+        with self._lock:
+            self._idle[key] = period
+            early = self._early.pop(key, None)
+        if early is not None:
+            self.ended(body["id"], key[1], *early)
+
+    def ended(self, body: str, runs: int, idle: float, why: str, worker: str | None = None) -> None:
+        """An idle period ended after `idle` seconds: settle its hold once (an end that came first waits for it).
+        `worker`: the worker that says so; only the body's own worker's word ends its period."""
+        with self._lock:
+            found = self._idle.get((body, runs))
+            if found is not None and worker is not None and found.worker != worker:
+                return
+            period = self._idle.pop((body, runs), None)
+            self._ending.discard(body)
+            if period is None:
+                if len(self._early) < 100_000:
+                    self._early[(body, runs)] = (idle, why)
+                return
+        seconds = min(max(idle, 0.0), period.keep)
+        adm = period.admission
+        try:
+            _, charges = self._lines(adm, period.gpu_type, seconds)
+            self.ledger.settle([h.id for h in period.holds], charges, kind="warm-idle", payload={
+                "task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body,
+                "outcome": "warm-idle", "seconds": seconds, "ended": why, "worker": period.worker,
+                "admission": adm.id, "charges": charges, **_as_run(adm, period.gpu_type, period.worker)},
+                **_ids(adm, body, runs))
+        except Exception:  # its hold expires (charged at most the keep-warm time): never lost, never twice
+            logger.exception("could not settle the idle time of warm body %s", body)
+
+    def on_event(self, event: tuple[float, dict[str, Any]]) -> None:
+        """The worker's `aisched-warm-body` event: a body ended while it waited (runs in the Dask client's loop)."""
+        msg = event[1]
+        if not isinstance(msg, dict) or "body" not in msg:
+            return
+        threading.Thread(target=self.ended, args=(str(msg["body"]), int(msg.get("runs") or 0),
+                                                  float(msg.get("idle") or 0.0), str(msg.get("reason") or ""),
+                                                  str(msg.get("worker") or "")),
+                         name="aisched-warm-settle", daemon=True).start()
+
+    def worker_died(self, worker: str) -> None:
+        """A worker left: its bodies are gone; their idle time counts up to now."""
+        with self._lock:
+            gone = [p for p in self._idle.values() if p.worker == worker]
+        for p in gone:
+            self.ended(p.body, p.runs, time.monotonic() - p.since, f"its worker {worker} left")
+
+    def end_broken(self, why_broken: Callable[[Admission], str | None]) -> list[str]:
+        """End the warm bodies whose last run's authority no longer stands; their ids."""
+        with self._lock:
+            periods = [p for p in self._idle.values() if p.body not in self._ending]
+        memo: dict[str, str | None] = {}
+        victims = [p.body for p in periods
+                   if (memo[p.admission.id] if p.admission.id in memo else
+                       memo.setdefault(p.admission.id, why_broken(p.admission))) is not None]
+        if victims:
+            with self._lock:
+                self._ending.update(victims)
+            self._end_bodies(victims, "its authority ended")
+            logger.warning("authority withdrawn: ending %d idle warm bod%s", len(victims),
+                           "y" if len(victims) == 1 else "ies")
+        return victims
+
+    def close(self) -> None:
+        """The plane stops: its warm bodies end (nobody would account for their idle time) and each idle period is
+        settled with the time it had, rather than left to expire charged in full."""
+        with self._lock:
+            periods = list(self._idle.values())
+        if not periods:
+            return
+        try:
+            self._end_bodies([p.body for p in periods], "the control plane stopped")
+        except Exception:  # the cluster is gone already: the bodies end with their workers
+            logger.warning("could not reach the workers to end %d warm bodies", len(periods))
+        for p in periods:
+            self.ended(p.body, p.runs, time.monotonic() - p.since, "the control plane stopped")
+
+    def idle_count(self) -> int:
+        with self._lock:
+            return len(self._idle)

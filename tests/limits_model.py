@@ -1,0 +1,39 @@
+"""AI tasks that push against a body's limits: memory, processes. Their module travels to the workers as source."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from aisched_prefect import ai_task
+
+
+@ai_task(gpus=0.25, kind="training", est_seconds=60)
+def hog(megabytes: int) -> int:
+    """Allocates and touches `megabytes` of memory."""
+    block = bytearray(megabytes * 2**20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    return len(block)
+
+
+@ai_task(gpus=0.25, kind="training", est_seconds=60)
+def fork_bomb(pids_file: str) -> int:
+    """Forks sleepers until the kernel refuses; notes each child's pid on a shared path."""
+    children = []
+    try:
+        while True:
+            pid = os.fork()
+            if pid == 0:
+                while True:
+                    time.sleep(60)
+            children.append(pid)
+            Path(pids_file).write_text(" ".join(map(str, children)))
+    finally:
+        Path(pids_file).write_text(" ".join(map(str, children)))
+
+
+@ai_task(gpus=0.25, kind="training", est_seconds=60)
+def steady(x: int) -> int:
+    return x * 2

@@ -1,0 +1,93 @@
+"""A body's cgroup on a worker of separate processes: past its memory limit it fails with `body-out-of-memory` while
+another tenant's body on the same worker completes; a fork bomb ends at its PID limit and leaves no process behind,
+with the worker alive; the settlement records the body's peak memory.
+
+The worker is started with small bounds (dask config `dask-gpu.isolation.body-memory-gb`, `body-pids`), as an operator
+sets them (`DASK_DASK_GPU__ISOLATION__BODY_MEMORY_GB=...`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from prefect import flow
+from prefect.context import FlowRunContext
+
+from dask_gpu.isolation.cgroups import cgroups_available
+from tests.clusterprocs import ClusterProcs
+from tests.helpers import authority, tenant
+from tests.limits_model import fork_bomb, hog, steady
+
+pytestmark = [pytest.mark.usefixtures("prefect_api"),
+              pytest.mark.skipif(os.geteuid() != 0 or cgroups_available() is not None,
+                                 reason=f"needs root and writable cgroups ({cgroups_available()})")]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, prefect_api):
+    procs = ClusterProcs(tmp_path_factory.mktemp("limits"), env={
+        "DASK_DASK_GPU__ISOLATION__BODY_MEMORY_GB": "0.5", "DASK_DASK_GPU__ISOLATION__BODY_PIDS": "48"})
+    try:
+        procs.start_scheduler()
+        procs.start_worker("gpu-host", "1 GPU, 80 GB, H100", nthreads=2)
+        procs.wait_for_workers(1)
+        procs.start_plane()
+        yield procs
+    finally:
+        procs.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_body_past_its_memory_limit_fails_named_while_its_neighbour_completes(cluster):
+    a = tenant(cluster.plane)
+    b = tenant(cluster.plane, authority_=authority(id="team-b-root", principal="team-b/nightly"),
+               principal="team-b/nightly")
+
+    @flow(task_runner=a.runner())
+    def greedy():
+        state = hog.submit(1024)
+        state.wait()
+        return state.state, FlowRunContext.get().flow_run.id
+
+    @flow(task_runner=b.runner())
+    def modest():
+        return hog(64), FlowRunContext.get().flow_run.id
+
+    state, a_run = greedy()
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match="body-out-of-memory"):
+        state.result()
+    got, b_run = modest()
+    assert got == 64 * 2**20
+    failed = [r.payload for r in cluster.plane.records(a_run) if r.kind == "settlement"]
+    assert failed and failed[0]["outcome"] == "failed" and "body-out-of-memory" in failed[0]["error"]
+    ok = [r.payload for r in cluster.plane.records(b_run) if r.kind == "settlement"]
+    assert ok[0]["outcome"] == "completed" and 64 <= ok[0]["body"]["peak_memory_mb"] < 512
+
+
+def test_a_fork_bomb_ends_at_its_pid_limit_and_leaves_nothing_running(cluster, tmp_path):
+    t = tenant(cluster.plane)
+    pids_file = tmp_path / "bomb-pids"
+
+    @flow(task_runner=t.runner())
+    def bomb():
+        state = fork_bomb.submit(str(pids_file))
+        state.wait()
+        return state.state, steady(21)
+
+    state, after = bomb()
+    assert state.is_failed()
+    with pytest.raises(BlockingIOError):  # fork() refused: EAGAIN at the cgroup's pids.max
+        state.result()
+    children = [int(p) for p in pids_file.read_text().split()]
+    assert 10 <= len(children) < 48
+    assert not any(_alive(p) for p in children)  # killed with the body's cgroup as it ended
+    assert after == 42  # the worker is alive and serves the next run
