@@ -138,17 +138,28 @@ def body_starts(n: int) -> dict[str, float]:
         kinds["isolated"] = Zygote(tenant="bench", sandbox=filesystem.sandbox_argv(
             "/usr/bin/bwrap", read_only=filesystem.code_paths(sys.path), hide=[], bodies_dir=bodies,
             devices=devices.sandbox_nodes("/dev", [])))
+    from dask_gpu.isolation.cgroups import BodyCgroup, Limits, cgroups_available
+
+    if "isolated" in kinds and cgroups_available() is None:
+        kinds["isolated + cgroup"] = kinds["isolated"]  # the same zygote; each body also in a cgroup of its own
     out: dict[str, float] = {}
     for kind, zygote in kinds.items():
         def once(i: int) -> None:
-            run = {"uid": 20000 + i % 1000, "workdir": f"b{i}"} if kind == "isolated" else {}
+            run = {"uid": 20000 + i % 1000, "workdir": f"b{i}"} if kind.startswith("isolated") else {}
             sock = zygote.connect(["cloudpickle"], run)
-            json.loads(recv_msg(sock))
+            pid = json.loads(recv_msg(sock))["pid"]
+            cgroup = None
+            if kind.endswith("cgroup"):  # what the worker does per body (dask_gpu.containment): made, filled, removed
+                cgroup = BodyCgroup(f"bench-{os.getpid()}-{i}", Limits(memory_bytes=2**30, pids=4096, cpu_shares=1024),
+                                    devices=[], root="aisched-bench")
+                cgroup.add(pid)
             send_msg(sock, header)
             send_msg(sock, payload)
             meta = json.loads(recv_msg(sock))
             recv_msg(sock)
             sock.close()
+            if cgroup is not None:
+                cgroup.remove()
             assert meta["ok"], meta
         for i in range(3):  # warm: the zygote started, its imports done
             once(i)
@@ -156,6 +167,7 @@ def body_starts(n: int) -> dict[str, float]:
         for i in range(n):
             once(i)
         out[kind] = (time.perf_counter() - t0) / n
+    for zygote in set(kinds.values()):
         zygote.close()
     return out
 
@@ -169,6 +181,8 @@ def print_body_starts(n: int) -> None:
         extra = costs["isolated"] - costs["unisolated"]
         print(f"  isolation adds {1000 * extra:.2f} ms per body (isolated / unisolated = "
               f"{costs['isolated'] / costs['unisolated']:.2f}; target: milliseconds, not seconds)")
+    if "isolated + cgroup" in costs:
+        print(f"  a cgroup of its own adds {1000 * (costs['isolated + cgroup'] - costs['isolated']):.2f} ms per body")
     else:
         print("  isolated: not measured (needs root and /usr/bin/bwrap)")
 

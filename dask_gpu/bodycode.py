@@ -317,8 +317,9 @@ def preloads(code: ShippedCode, limit: int = 16) -> list[str]:
     for f in code.files:
         module = sys.modules.get(f.module)
         for used in _uses(module) if module is not None else ():
-            if _installed(used) and used.__name__ != "__main__" and not used.__name__.startswith("_"):
-                names.add(used.__name__)
+            top = used.__name__.split(".", 1)[0]
+            if _installed(used) and top not in sys.stdlib_module_names and not top.startswith("_"):
+                names.add(top)  # a package's top: importing it imports what it holds (torch, prefect, ...)
     return sorted(names)[:limit]
 
 

@@ -116,6 +116,24 @@ class _Loaded:
         return fn, args, kwargs, time.perf_counter() - t0
 
 
+def _name_unreached_path(out: dict[str, Any], data: list[str], tenant: str) -> None:
+    """An isolated body that failed to reach a path it was not given: its error says which path and which setting."""
+    import re
+
+    found = re.search(r"(?:PermissionError|FileNotFoundError|IsADirectoryError|NotADirectoryError).*?'(/[^']*)'",
+                      out.get("error_text", ""))
+    if found is None:
+        return
+    path = found.group(1)
+    if any(path == p or path.startswith(p.rstrip("/") + "/") for p in data):
+        return
+    given = ", ".join(data) or "none"
+    out["error_message"] = (f"{out.get('error_message', '')} ({path} is not among the paths this worker gives tenant "
+                            f"{tenant or '(none)'}'s bodies: {given}. Fix: the operator adds it with dask-gpu-worker "
+                            f"--tenant-path {tenant or 'TENANT'}={os.path.dirname(path) or path} (dask config "
+                            "dask-gpu.isolation.tenant-paths), or pass the data on a path already given)")
+
+
 def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes, capture: _Capture) -> tuple[dict[str, Any], bytes]:
     """One run in this body: its environment and devices, its code (loaded once per body), its result."""
     import cloudpickle
@@ -150,7 +168,8 @@ def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes, capture: _
     return out, blob
 
 
-def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, imports: list[str] = ()) -> int:
+def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, imports: list[str] = (),
+               data: list[str] | None = None, tenant: str = "") -> int:
     """Run bodies' runs until the worker closes the socket. `setup(header)` runs once the first run's bytes arrived
     and before any is read (isolation); `imports`: modules its zygote left to it (a flow's own, on an isolated
     worker), imported once its environment is set."""
@@ -186,6 +205,8 @@ def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, im
         assert capture is not None
         out, blob = _run_one(loaded, header, payload, capture)
         out["runs"] = runs
+        if data is not None and not out["ok"]:
+            _name_unreached_path(out, data, tenant)
         try:
             send_msg(conn, json.dumps(out, default=str).encode())
             send_msg(conn, blob)
@@ -219,7 +240,8 @@ def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], p
 
             def setup(run: dict[str, Any]) -> None:
                 filesystem.enter_run(uid, uid, workdir, [int(d["index"]) for d in run.get("devices", [])])
-                identity.drop_to(uid, uid)
+                group = header.get("group")
+                identity.drop_to(uid, uid, [int(group)] if group else [])
                 syscalls.deny_keyrings()  # the kernel's per-UID keyrings outlive a body: none may be made
                 os.chdir(filesystem.HOME)
                 os.closerange(3, conn.fileno())
@@ -227,7 +249,9 @@ def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], p
                 os.environ.clear()
                 os.environ.update(filesystem.body_env({}, sys.path))
 
-            code = child_main(conn, setup=setup, announce=False, imports=late)
+            code = child_main(conn, setup=setup, announce=False, imports=late,
+                              data=[p[:-3] if p.endswith(":ro") else p for p in header.get("data") or []],
+                              tenant=str(header.get("tenant") or ""))
         finally:
             os._exit(code)
     send_msg(conn, json.dumps({"pid": pid}).encode())

@@ -27,13 +27,49 @@ def cgroups_unavailable(plan: IsolationPlan | None) -> str | None:
     why = cgroups_available()
     if why is None:
         _widen_parent()
+        sweep_stale()
     return why
 
 
+STALE_SECONDS = 60.0
+
+
+def sweep_stale(older_than: float = STALE_SECONDS, root: str | None = None) -> int:
+    """Remove body cgroups a dead worker left behind (a worker killed with its bodies never removed theirs): empty,
+    and made more than `older_than` seconds ago (a live worker fills a body's cgroup within milliseconds of making
+    it). How many were removed."""
+    import time
+
+    from dask_gpu.isolation import cgroups
+
+    found = cgroups.layout()
+    if found is None:
+        return 0
+    removed, now = 0, time.time()
+    for controller_dir in found.dirs.values():
+        parent = os.path.join(controller_dir, root or cgroups.ROOT)
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith("body-")]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(parent, name)
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    if f.read().strip() or now - os.stat(path).st_mtime < older_than:
+                        continue
+                os.rmdir(path)
+                removed += 1
+            except OSError:  # in use again, or gone meanwhile
+                continue
+    return removed
+
+
 def _widen_parent() -> None:
-    """The bodies' parent group competes for CPU as one entity: give it the weight of as many ordinary processes as
-    the host has cores, so that bodies together are not starved by whatever else runs on the host (cgroup v1
-    cpu.shares, v2 cpu.weight)."""
+    """The bodies' parent group competes for CPU as one entity: give it the weight of four ordinary processes per
+    core (without cgroups each body weighed as one process, and a GPU host's bodies are its work), so that bodies
+    together are not starved by whatever else runs on the host, nor starve its daemons (cgroup v1 cpu.shares, v2
+    cpu.weight)."""
     from dask_gpu.isolation import cgroups
 
     found = cgroups.layout()
@@ -43,12 +79,12 @@ def _widen_parent() -> None:
             parent = os.path.join(found.dirs["cpu"], cgroups.ROOT)
             os.makedirs(parent, exist_ok=True)
             with open(os.path.join(parent, "cpu.shares"), "w") as f:
-                f.write(str(min(1024 * cores, 262144)))
+                f.write(str(min(4 * 1024 * cores, 262144)))
         elif found is not None and found.version == 2:
             parent = os.path.join(found.dirs[""], cgroups.ROOT)
             if os.path.exists(os.path.join(parent, "cpu.weight")):
                 with open(os.path.join(parent, "cpu.weight"), "w") as f:
-                    f.write(str(min(100 * cores, 10000)))
+                    f.write(str(min(4 * 100 * cores, 10000)))
     except OSError:  # the default weight: bodies still run, just with less CPU under contention
         pass
 

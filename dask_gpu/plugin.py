@@ -180,15 +180,24 @@ class GPUWorkerPlugin(WorkerPlugin):
         with self._zygotes_lock:
             zygote = self._zygotes.get(tenant)
             if zygote is None:
-                zygote = self._zygotes[tenant] = Zygote(tenant=tenant, sandbox=self._sandbox)
+                sandbox = self._sandbox
+                if sandbox is not None and self.isolation and self.isolation.settings.tenant_paths.get(tenant):
+                    from dask_gpu.isolation.filesystem import with_data
+
+                    sandbox = with_data(sandbox, self.isolation.settings.tenant_paths[tenant])
+                zygote = self._zygotes[tenant] = Zygote(tenant=tenant, sandbox=sandbox)
             return zygote
 
-    def run_identity(self) -> tuple[dict[str, Any], int | None]:
-        """What an isolated body's process needs (its UID, leased here, and its working directory's name)."""
+    def run_identity(self, tenant: str = "") -> tuple[dict[str, Any], int | None]:
+        """What an isolated body's process needs: its UID (leased here), its working directory's name, its tenant's
+        group and data paths (the operator's `tenant-groups`, `tenant-paths`)."""
         if self._uids is None:
             return {}, None
         uid = self._uids.lease()
-        return {"uid": uid, "workdir": f"{uid}-{uuid.uuid4().hex[:12]}"}, uid
+        settings = self.isolation.settings if self.isolation else None
+        extra = {} if settings is None else {"group": settings.tenant_groups.get(tenant),
+                                            "data": list(settings.tenant_paths.get(tenant, ()))}
+        return {"uid": uid, "workdir": f"{uid}-{uuid.uuid4().hex[:12]}", "tenant": tenant, **extra}, uid
 
     def workdir_of(self, identity: dict[str, Any]) -> str:
         """Where an isolated body's working directory lies on this host ("" for a body that has none)."""

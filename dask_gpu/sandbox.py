@@ -237,7 +237,7 @@ def _refuse(ticket: Ticket, proc: BodyProcess) -> None:
 def _start_body(worker: Any, plugin: GPUWorkerPlugin, ticket: Ticket, body: Body, request: Any, key: str) -> BodyProcess:
     """A fresh body for this run: forked by its tenant's zygote (after its modules are imported, once per worker)
     before its devices are held, so neither the wait for devices nor the zygote's imports count as GPU time."""
-    identity, uid = plugin.run_identity()
+    identity, uid = plugin.run_identity(ticket.tenant)
     try:
         sock = plugin.zygote_for(ticket.tenant).connect(body.modules, identity)
     except BaseException:

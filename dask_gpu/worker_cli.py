@@ -20,6 +20,10 @@ The tenant boundary (dask_gpu.isolation; dask config `dask-gpu.isolation.*`):
     --tenant NAME                                  serve this tenant's bodies only (required where the
                                                    worker does not isolate: it refuses to start without it)
     --device-nodes DIR                             where this host's nvidia* device nodes are (default /dev)
+    --tenant-path TENANT=PATH[:ro][,PATH...]       host paths TENANT's bodies may reach (isolated: bound into its
+                                                   sandbox at the same path; once per tenant)
+    --tenant-group TENANT=GID                      the group TENANT's bodies run with (isolated: the group that
+                                                   owns the team's shared storage; once per tenant)
 
 Every other option is `dask worker`'s own.
 """
@@ -69,7 +73,11 @@ def tls_files(directory: str, party: str, prog: str) -> dict[str, str]:
 
 
 ISOLATION_FLAGS = {"--isolation": ("mode", "isolated"), "--tenant": ("tenant", "team-a"),
-                   "--body-uids": ("body_uids", "20000-20999"), "--device-nodes": ("device_nodes", "/dev")}
+                   "--body-uids": ("body_uids", "20000-20999"), "--device-nodes": ("device_nodes", "/dev"),
+                   "--tenant-path": ("tenant_paths", "team-a=/srv/data/team-a"),
+                   "--tenant-group": ("tenant_groups", "team-a=3001")}
+REPEATED = ("tenant_paths", "tenant_groups")  # given once per tenant: joined with ';'
+
 
 
 def isolation_options(args: list[str], prog: str) -> dict[str, str]:
@@ -81,9 +89,9 @@ def isolation_options(args: list[str], prog: str) -> dict[str, str]:
 
     given: dict[str, str] = {}
     for flag, (field, example) in ISOLATION_FLAGS.items():
-        values = take_option(args, flag, prog, example)
+        values = take_option(args, flag, prog, example, many=field in REPEATED)
         if values:
-            given[field] = values[0]
+            given[field] = ";".join(values) if field in REPEATED else values[0]
     for field, value in given.items():
         os.environ[f"DASK_DASK_GPU__ISOLATION__{field.upper()}"] = value
     dask.config.set({f"{CONFIG_KEY}.{field.replace('_', '-')}": value for field, value in given.items()})

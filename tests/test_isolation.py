@@ -13,6 +13,8 @@ Needs root and bwrap: skipped elsewhere with the reason, required under CI (AISC
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,10 +108,43 @@ def _bodies():
 
         return os.getuid()
 
-    return tenant_a, tenant_b, whoami
+    def own_node(release: str) -> dict:
+        """What of /dev this body sees and can read (its stand-in node is a file), once `release` exists."""
+        import os
+        import time
+
+        deadline = time.monotonic() + 90
+        while not os.path.exists(os.path.join(os.environ["HOME"], "release")) and release and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            with open(f"/dev/nvidia{visible}") as f:
+                read = f.read()
+        except OSError as exc:
+            read = type(exc).__name__
+        return {"visible": visible, "dev": sorted(d for d in os.listdir("/dev") if d.startswith("nvidia")),
+                "read": read}
+
+    def data_user(data: str) -> dict:
+        """Reads what its flow wrote on its tenant's shared path and writes beside it."""
+        import os
+
+        with open(os.path.join(data, "from-flow.txt")) as f:
+            got = f.read()
+        with open(os.path.join(data, "from-body.txt"), "w") as f:
+            f.write("written by the body")
+        return {"got": got, "groups": os.getgroups(), "uid": os.getuid()}
+
+    def reader(path: str) -> str:
+        with open(path) as f:
+            return f.read()
+
+    return tenant_a, tenant_b, whoami, own_node, data_user, reader
 
 
-tenant_a, tenant_b, whoami = _bodies()
+tenant_a, tenant_b, whoami, own_node, data_user, reader = _bodies()
+DATA_GID = 23500  # the team's group: owns its shared storage; no user of this host has it
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +155,16 @@ def cluster(tmp_path_factory):
     dev.mkdir()
     for name in ("nvidia0", "nvidia1", "nvidiactl"):
         (dev / name).write_text(name)
+    data = Path(tempfile.mkdtemp(prefix="aisched-team-d-", dir="/var/tmp"))  # team-d's storage (not under /tmp, whose
+    # binds a body's private /tmp keeps read-only)
+    os.chown(data, 0, DATA_GID)
+    os.chmod(data, 0o2770)  # the team's group reads and writes; nobody else even looks
     procs = ClusterProcs(root, env={"DASK_DASK_GPU__ISOLATION__MODE": "auto",
                                     "DASK_DASK_GPU__ISOLATION__DEVICE_NODES": str(dev),
-                                    "DASK_DASK_GPU__ISOLATION__BODY_UIDS": f"{UIDS[0]}-{UIDS[1]}"})
+                                    "DASK_DASK_GPU__ISOLATION__BODY_UIDS": f"{UIDS[0]}-{UIDS[1]}",
+                                    "DASK_DASK_GPU__ISOLATION__TENANT_PATHS": f"team-d={data}",
+                                    "DASK_DASK_GPU__ISOLATION__TENANT_GROUPS": f"team-d={DATA_GID}"})
+    procs.data = data
     try:
         procs.start_scheduler()
         procs.start_worker("iso", "2 GPUs, 24 GB, L4", nthreads=4)
@@ -134,6 +176,7 @@ def cluster(tmp_path_factory):
         yield procs
     finally:
         procs.close()
+        shutil.rmtree(data, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +186,9 @@ def signer(cluster) -> TicketSigner:
     return TicketSigner(load_or_make_key(cluster.home / "control.key"))
 
 
-def submit(client, signer, tenant: str, fn, *args, worker: str = "iso", key: str | None = None):
-    body = Body(payload=cloudpickle.dumps(fn) + cloudpickle.dumps((args, {})))
+def submit(client, signer, tenant: str, fn, *args, worker: str = "iso", key: str | None = None,
+           devices: list[str] | None = None):
+    body = Body(payload=cloudpickle.dumps(fn) + cloudpickle.dumps((args, {})), devices=devices)
     ticket = signer.issue(run=f"iso-{time.monotonic_ns()}", payload_digest=digest(body.payload),
                           code_digest=code_digest(fn), request=REQUEST, tenant=tenant)
     return client.submit(run_ticketed, ticket, body, workers=[worker], allow_other_workers=False,
@@ -218,3 +262,51 @@ def test_a_worker_that_cannot_isolate_serves_only_the_tenant_it_was_started_for(
             submit(client, signer, "team-b", whoami, worker="single").result(timeout=60)
     assert "isolation: unisolated" in cluster.log("single")
     assert "isolation: isolated" in cluster.log("iso")
+
+
+def test_bodies_of_one_tenant_on_different_gpus_each_keep_their_own_node(cluster, signer):
+    """Two bodies of one tenant at once on GPUs 0 and 1, then a third on GPU 0: each sees and opens exactly its own
+    node. (Each body's /dev was the /dev its tenant's zygote and bodies share, with the other nodes unlinked from it:
+    the third body found no node at all.)"""
+    from dask_gpu.cluster import worker_addresses
+
+    with cluster.client() as client:
+        address = worker_addresses(client)["iso"]
+        local = client.run(lambda dask_worker: dask_worker.local_directory, workers=[address])[address]
+        bodies = Path(local) / "bodies"
+        before = set(bodies.iterdir())
+        first = submit(client, signer, "team-c", own_node, "wait", devices=["0"])
+        second = submit(client, signer, "team-c", own_node, "wait", devices=["1"])
+        both = wait_until(lambda: (lambda new: new if len(new) == 2 else None)(set(bodies.iterdir()) - before), 60,
+                          "both bodies to start")
+        for d in both:
+            (d / "release").write_text("")
+        seen = [cloudpickle.loads(f.result(timeout=60).value) for f in (first, second)]
+        third = cloudpickle.loads(submit(client, signer, "team-c", own_node, "", devices=["0"]).result(timeout=60).value)
+    assert seen[0] == {"visible": "0", "dev": ["nvidia0", "nvidiactl"], "read": "nvidia0"}
+    assert seen[1] == {"visible": "1", "dev": ["nvidia1", "nvidiactl"], "read": "nvidia1"}
+    assert third == {"visible": "0", "dev": ["nvidia0", "nvidiactl"], "read": "nvidia0"}
+
+
+def test_a_tenants_bodies_reach_its_declared_data_under_its_group_and_nothing_else(cluster, signer):
+    """The operator gives team-d its shared storage (dask-gpu-worker --tenant-path team-d=DIR --tenant-group
+    team-d=GID): its body, under a UID of its own, reads what its flow wrote there and writes beside it, as a member of
+    the team's group; a path it was not given fails naming the path and the setting; another tenant's body does not
+    even see team-d's storage."""
+    data = cluster.data
+    (data / "from-flow.txt").write_text("rows")
+    os.chown(data / "from-flow.txt", 0, DATA_GID)
+    os.chmod(data / "from-flow.txt", 0o640)
+    with cluster.client() as client:
+        out = submit(client, signer, "team-d", data_user, str(data)).result(timeout=60)
+        assert out.ok, out.error_text
+        seen = cloudpickle.loads(out.value)
+        other = submit(client, signer, "team-d", reader, "/var/lib/not-given/x.txt").result(timeout=60)
+        foreign = submit(client, signer, "team-b", reader, str(data / "from-flow.txt")).result(timeout=60)
+    assert seen["got"] == "rows" and seen["groups"] == [DATA_GID] and UIDS[0] <= seen["uid"] <= UIDS[1]
+    written = data / "from-body.txt"
+    assert written.read_text() == "written by the body" and written.stat().st_gid == DATA_GID
+    assert not other.ok and "/var/lib/not-given/x.txt is not among the paths this worker gives tenant team-d" in \
+        other.error_message and "--tenant-path team-d=" in other.error_message, other.error_message
+    assert not foreign.ok and str(data) in foreign.error_message and "tenant team-b" in foreign.error_message, \
+        foreign.error_message

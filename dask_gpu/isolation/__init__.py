@@ -54,6 +54,9 @@ class IsolationSettings(BaseModel):
     bodies_dir: str | None = None  # each body's working directory lives under it (default: the worker's local dir)
     uid_locks: str = "/run/dask-gpu/uids"  # this host's workers lease body UIDs here, one at a time each (flock)
     extra_paths: tuple[str, ...] = Field(default=())  # more read-only paths a body may read (datasets, models)
+    tenant_paths: dict[str, tuple[str, ...]] = Field(default_factory=dict)  # tenant -> host paths its bodies may
+    # reach (read-write; PATH:ro read-only), bound at the same path into its sandbox: a team's shared storage
+    tenant_groups: dict[str, int] = Field(default_factory=dict)  # tenant -> the group (GID) its bodies run with
     cgroups: bool = True  # a cgroup per body (memory, PIDs, CPU share, devices) where the worker may make them
     body_memory_gb: float | None = Field(default=None, gt=0)  # each body's memory bound (None: its GPU share of
     # the host's memory, as Slurm's DefMemPerGPU)
@@ -74,10 +77,56 @@ class IsolationSettings(BaseModel):
                              "no user of this host owns, e.g. 20000-20999")
         return (first, last)
 
+    @field_validator("tenant_paths", mode="before")
+    @classmethod
+    def _tenant_paths(cls, value: Any) -> Any:
+        """`TENANT=PATH[:ro][,PATH...];TENANT=...` (a flag or the environment), or a mapping."""
+        if isinstance(value, str):
+            value = _pairs(value, "tenant_paths", "team-a=/srv/data/team-a,/srv/models:ro")
+        out: dict[str, tuple[str, ...]] = {}
+        for tenant, paths in dict(value or {}).items():
+            paths = tuple(p for p in (paths.split(",") if isinstance(paths, str) else paths) if p)
+            for p in paths:
+                path = p[:-3] if p.endswith(":ro") else p
+                if not os.path.isabs(path) or os.path.normpath(path) in ("/", "/proc", "/dev", "/sys", "/run", "/etc"):
+                    raise ValueError(f"tenant_paths: {tenant}={p} is not an absolute path of data a body may be given. "
+                                     "Fix: --tenant-path TENANT=/srv/data/TENANT (add :ro for read-only)")
+            out[str(tenant)] = paths
+        return out
+
+    @field_validator("tenant_groups", mode="before")
+    @classmethod
+    def _tenant_groups(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = _pairs(value, "tenant_groups", "team-a=3001")
+        out = {}
+        for tenant, gid in dict(value or {}).items():
+            try:
+                gid = int(gid)
+            except (TypeError, ValueError):
+                raise ValueError(f"tenant_groups: {tenant}={gid!r} is not a GID. Fix: --tenant-group TENANT=GID (the "
+                                 "group that owns the team's shared storage)") from None
+            if gid < 1000:
+                raise ValueError(f"tenant_groups: {tenant}={gid} is a system group (below 1000): a body never runs "
+                                 "with one. Fix: the GID of the team's own group")
+            out[str(tenant)] = gid
+        return out
+
     @field_validator("extra_paths", mode="before")
     @classmethod
     def _paths(cls, value: Any) -> Any:
         return tuple(p for p in value.split(":") if p) if isinstance(value, str) else tuple(value or ())
+
+
+def _pairs(text: str, field: str, example: str) -> dict[str, str]:
+    """`A=x;B=y` (or a single pair) as a mapping; a malformed part names the field and an example."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        tenant, sep, rest = part.partition("=")
+        if not sep or not tenant.strip() or not rest.strip():
+            raise ValueError(f"{field}: {part!r} is not TENANT=VALUE. Fix: e.g. {example}")
+        out[tenant.strip()] = rest.strip()
+    return out
 
 
 def settings_from_config() -> IsolationSettings:

@@ -170,6 +170,24 @@ def sandbox_argv(bwrap: str, *, read_only: Iterable[str], hide: Iterable[str], d
     return args + ["--chdir", "/"]
 
 
+def with_data(argv: list[str], paths: Iterable[str]) -> list[str]:
+    """A tenant's sandbox: `argv` (sandbox_argv's) with its data paths bound at the same place (`PATH:ro` read-only;
+    a path that does not exist on this host is skipped: its body then fails naming it)."""
+    binds: list[str] = []
+    bound = []
+    for p in paths:
+        path, ro = (p[:-3], True) if p.endswith(":ro") else (p, False)
+        if os.path.exists(path):
+            binds += ["--ro-bind" if ro else "--bind", path, path]
+            bound.append(path)
+    system = [os.path.realpath(d) for d in SYSTEM_DIRS if os.path.isdir(d)]
+    for parent in sorted({a for p in bound for a in _ancestors(p)} - set(bound), key=len):  # made by bwrap: traversable
+        if not any(parent == s or parent.startswith(s + "/") for s in system):
+            binds += ["--chmod", "0755", parent]
+    cut = len(argv) - 2 if argv[-2:] and argv[-2] == "--chdir" else len(argv)
+    return [*argv[:cut], *binds, *argv[cut:]]
+
+
 def unescape_mountinfo(field: str) -> str:
     r"""A path as /proc/self/mountinfo writes it, decoded (space, tab, newline and backslash are octal escapes).
 

@@ -78,9 +78,10 @@ def no_new_privs() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
-def drop_to(uid: int, gid: int) -> None:
-    """Become `uid`/`gid` for good (real, effective and saved), with no capabilities left; raise if any remain."""
-    os.setgroups([])
+def drop_to(uid: int, gid: int, groups: list[int] | None = None) -> None:
+    """Become `uid`/`gid` for good (real, effective and saved), with `groups` as its only supplementary groups (its
+    tenant's group: the team's shared storage), no capabilities left; raise if any remain."""
+    os.setgroups(list(groups or []))
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
     no_new_privs()
