@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,20 @@ class ClusterProcs:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@contextmanager
+def single_host(root: Path, env: dict[str, str] | None = None, declared: str = "1 GPU, 80 GB, H100") -> Iterator[ClusterProcs]:
+    """A scheduler, one worker (`gpu-host`, `declared`) and a control plane, ended however the block ends."""
+    procs = ClusterProcs(root, env=env)
+    try:
+        procs.start_scheduler()
+        procs.start_worker("gpu-host", declared, nthreads=2)
+        procs.wait_for_workers(1)
+        procs.start_plane()
+        yield procs
+    finally:
+        procs.close()
 
 
 def kill_worker_process(pid: int) -> None:

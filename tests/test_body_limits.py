@@ -16,7 +16,7 @@ from prefect import flow
 from prefect.context import FlowRunContext
 
 from dask_gpu.isolation.cgroups import cgroups_available
-from tests.clusterprocs import ClusterProcs
+from tests.clusterprocs import single_host
 from tests.helpers import authority, tenant
 from tests.limits_model import fork_bomb, hog, steady
 
@@ -27,16 +27,9 @@ pytestmark = [pytest.mark.usefixtures("prefect_api"),
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, prefect_api):
-    procs = ClusterProcs(tmp_path_factory.mktemp("limits"), env={
-        "DASK_DASK_GPU__ISOLATION__BODY_MEMORY_GB": "0.5", "DASK_DASK_GPU__ISOLATION__BODY_PIDS": "48"})
-    try:
-        procs.start_scheduler()
-        procs.start_worker("gpu-host", "1 GPU, 80 GB, H100", nthreads=2)
-        procs.wait_for_workers(1)
-        procs.start_plane()
+    with single_host(tmp_path_factory.mktemp("limits"), env={
+        "DASK_DASK_GPU__ISOLATION__BODY_MEMORY_GB": "0.5", "DASK_DASK_GPU__ISOLATION__BODY_PIDS": "48"}) as procs:
         yield procs
-    finally:
-        procs.close()
 
 
 def _alive(pid: int) -> bool:

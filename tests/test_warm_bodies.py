@@ -15,7 +15,7 @@ import pytest
 from prefect import flow
 from prefect.context import FlowRunContext
 
-from tests.clusterprocs import ClusterProcs
+from tests.clusterprocs import ClusterProcs, single_host
 from tests.helpers import authority, tenant, wait_until
 from tests.warm_model import Scorer, cold_score, score, whole
 
@@ -24,15 +24,8 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, prefect_api):
-    procs = ClusterProcs(tmp_path_factory.mktemp("warm"), env={"AISCHED_MAX_KEEP_WARM_SECONDS": "3600"})
-    try:
-        procs.start_scheduler()
-        procs.start_worker("gpu-host", "1 GPU, 80 GB, H100", nthreads=2)
-        procs.wait_for_workers(1)
-        procs.start_plane()
+    with single_host(tmp_path_factory.mktemp("warm"), env={"AISCHED_MAX_KEEP_WARM_SECONDS": "3600"}) as procs:
         yield procs
-    finally:
-        procs.close()
 
 
 def _loads(log: Path) -> list[str]:

@@ -78,9 +78,11 @@ def direct_reply(kept: Any) -> dict[str, Any]:
 class OutcomeBook:
     """Which session waits for which call, and the outcomes each has not acknowledged yet."""
 
-    def __init__(self, lease_seconds: float, on_abandoned: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(self, lease_seconds: float, on_abandoned: Callable[[list[str]], None] | None = None,
+                 on_gone: Callable[[set[str]], None] | None = None) -> None:
         self.lease_seconds = lease_seconds
         self.on_abandoned = on_abandoned
+        self.on_gone = on_gone  # callers (`who`) that have no session left at all
         self._lock = threading.Lock()
         self._seq = 0
         self._sessions: dict[str, _Session] = {}
@@ -206,15 +208,20 @@ class OutcomeBook:
         """Forget sessions that stopped polling; returns the keys they still had pending (and tells `on_abandoned`)."""
         now = time.monotonic()
         abandoned: list[str] = []
+        ended: set[str] = set()
         with self._lock:
             for sid, s in list(self._sessions.items()):
                 if now - s.seen > self.lease_seconds and not s.waiters:
                     abandoned.extend(s.pending)
+                    ended.add(s.who)
                     for key in s.pending:
                         self._session_of.pop(key, None)
                     del self._sessions[sid]
+            gone = ended - {s.who for s in self._sessions.values()}
         if abandoned and self.on_abandoned is not None:
             self.on_abandoned(abandoned)
+        if gone and self.on_gone is not None:
+            self.on_gone(gone)
         return abandoned
 
     def stats(self) -> dict[str, Any]:

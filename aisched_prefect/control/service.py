@@ -244,7 +244,8 @@ class ControlPlane:
             # A completed call's result token is kept sealed under a key only the plane's key file gives.
             self.calls = CallBook(self.ledger, self.replica, base_url,
                                   seal=TokenSeal(derived_secret(self.key, TOKEN_PURPOSE)))
-            self.outcomes = OutcomeBook(settings.session_lease_seconds, on_abandoned=self.abandon)
+            self.outcomes = OutcomeBook(settings.session_lease_seconds, on_abandoned=self.abandon,
+                                        on_gone=self.dispatcher.warm.callers_gone)
             chores = [(settings.drift_seconds, self.record_drift),
                       (min(settings.hold_lease_seconds / 3, 30.0), self.approvals.tend),  # holds of waiting requests
                       (settings.day_report_seconds, self.publish_day_report),

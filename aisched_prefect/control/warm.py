@@ -151,6 +151,17 @@ class WarmBooks:
         for p in gone:
             self.ended(p.body, p.runs, time.monotonic() - p.since, f"its worker {worker} left")
 
+    def callers_gone(self, whos: set[str]) -> list[str]:
+        """No flow process of these callers (`authority:principal`) polls any more: nothing of theirs waits, so their
+        idle warm bodies end now rather than at the end of their keep-warm time; their ids."""
+        with self._lock:
+            victims = [p.body for p in self._idle.values() if p.body not in self._ending
+                       and f"{p.admission.authority}:{p.admission.principal}" in whos]
+            self._ending.update(victims)
+        if victims:
+            self._end_bodies(victims, "nothing of its principal waits any more")
+        return victims
+
     def end_broken(self, why_broken: Callable[[Admission], str | None]) -> list[str]:
         """End the warm bodies whose last run's authority no longer stands; their ids."""
         with self._lock:
