@@ -239,7 +239,8 @@ def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], p
             os.setsid()
 
             def setup(run: dict[str, Any]) -> None:
-                filesystem.enter_run(uid, uid, workdir, [int(d["index"]) for d in run.get("devices", [])])
+                filesystem.enter_run(uid, uid, workdir, [int(d["index"]) for d in run.get("devices", [])],
+                                     tmp_bytes=header.get("tmp_bytes"))
                 group = header.get("group")
                 identity.drop_to(uid, uid, [int(group)] if group else [])
                 syscalls.deny_keyrings()  # the kernel's per-UID keyrings outlive a body: none may be made

@@ -89,16 +89,24 @@ def _widen_parent() -> None:
         pass
 
 
-def body_cgroup(body: Any, gpus: float, plan: IsolationPlan, inventory: WorkerInventory) -> Any:
-    """A fresh cgroup for `body` (a dask_gpu.bodies.BodyProcess holding its devices), bounded for a run of `gpus`."""
+def body_memory_bytes(gpus: float, plan: IsolationPlan, inventory: WorkerInventory) -> int:
+    """A body's memory bound: the operator's `body-memory-gb`, else its GPU share of the host's memory (at least 1 GiB).
+    Its cgroup's limit; its private /tmp and /dev/shm hold half of it each (their pages count against that limit, so
+    a full /tmp says ENOSPC while the process still has room, as Kubernetes sizes a memory-backed emptyDir)."""
     import psutil
 
+    if plan.settings.body_memory_gb:
+        return int(plan.settings.body_memory_gb * 2**30)
+    share = min(max(gpus, 0.05) / max(len(inventory.devices), 1), 1.0)
+    return int(max(psutil.virtual_memory().total * share, 2**30))
+
+
+def body_cgroup(body: Any, gpus: float, plan: IsolationPlan, inventory: WorkerInventory) -> Any:
+    """A fresh cgroup for `body` (a dask_gpu.bodies.BodyProcess holding its devices), bounded for a run of `gpus`."""
     from dask_gpu.isolation import cgroups, devices
 
     settings = plan.settings
-    share = min(max(gpus, 0.05) / max(len(inventory.devices), 1), 1.0)
-    memory = (settings.body_memory_gb * 2**30 if settings.body_memory_gb
-              else max(psutil.virtual_memory().total * share, 2**30))
+    memory = body_memory_bytes(gpus, plan, inventory)
     nodes = [src for src, _ in devices.sandbox_nodes(settings.device_nodes, [d.index for d in body.devices])]
     return cgroups.BodyCgroup(f"body-{body.id}", cgroups.Limits(
         memory_bytes=int(memory), pids=settings.body_pids, cpu_shares=int(1024 * max(gpus, 1.0))),

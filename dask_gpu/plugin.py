@@ -188,15 +188,18 @@ class GPUWorkerPlugin(WorkerPlugin):
                 zygote = self._zygotes[tenant] = Zygote(tenant=tenant, sandbox=sandbox)
             return zygote
 
-    def run_identity(self, tenant: str = "") -> tuple[dict[str, Any], int | None]:
+    def run_identity(self, tenant: str = "", gpus: float = 0.0) -> tuple[dict[str, Any], int | None]:
         """What an isolated body's process needs: its UID (leased here), its working directory's name, its tenant's
-        group and data paths (the operator's `tenant-groups`, `tenant-paths`)."""
+        group and data paths (the operator's `tenant-groups`, `tenant-paths`), the size of its /tmp and /dev/shm."""
         if self._uids is None:
             return {}, None
+        from dask_gpu.containment import body_memory_bytes
+
         uid = self._uids.lease()
         settings = self.isolation.settings if self.isolation else None
         extra = {} if settings is None else {"group": settings.tenant_groups.get(tenant),
-                                            "data": list(settings.tenant_paths.get(tenant, ()))}
+                                            "data": list(settings.tenant_paths.get(tenant, ())),
+                                            "tmp_bytes": body_memory_bytes(gpus, self.isolation, self.inventory) // 2}
         return {"uid": uid, "workdir": f"{uid}-{uuid.uuid4().hex[:12]}", "tenant": tenant, **extra}, uid
 
     def workdir_of(self, identity: dict[str, Any]) -> str:

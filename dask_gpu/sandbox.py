@@ -194,8 +194,11 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
     start = "cold" if proc is None else "warm"
     if proc is None:
         proc = _start_body(worker, plugin, ticket, body, request, key)
+    elif proc.tenant != ticket.tenant:  # the key names the tenant; checked once more, and the body ends
+        plugin.bodies.end(proc, "a run of another tenant was sent to it")
+        raise TicketRejected(f"run {ticket.run} of tenant {ticket.tenant!r} was sent to a warm body of tenant "
+                             f"{proc.tenant!r}: refused")
     else:
-        proc.tenant == ticket.tenant or _refuse(ticket, proc)  # the key names the tenant; checked once more
         plugin.allocator.rename(proc.hold, key)
         proc.hold = key
     result: dict[str, Any] = {}
@@ -229,15 +232,10 @@ def _peak_mb(proc: BodyProcess) -> float | None:
     return None if peak is None else round(peak / 2**20, 1)
 
 
-def _refuse(ticket: Ticket, proc: BodyProcess) -> None:
-    raise TicketRejected(f"run {ticket.run} of tenant {ticket.tenant!r} was sent to a warm body of tenant "
-                         f"{proc.tenant!r}: refused")
-
-
 def _start_body(worker: Any, plugin: GPUWorkerPlugin, ticket: Ticket, body: Body, request: Any, key: str) -> BodyProcess:
     """A fresh body for this run: forked by its tenant's zygote (after its modules are imported, once per worker)
     before its devices are held, so neither the wait for devices nor the zygote's imports count as GPU time."""
-    identity, uid = plugin.run_identity(ticket.tenant)
+    identity, uid = plugin.run_identity(ticket.tenant, request.gpus)
     try:
         sock = plugin.zygote_for(ticket.tenant).connect(body.modules, identity)
     except BaseException:

@@ -156,10 +156,12 @@ class Zygote:
                    json.dumps(self.preload), json.dumps(self.plan)]
             env = None
             if self.sandbox is not None:
-                from dask_gpu.isolation.filesystem import PATH
+                from dask_gpu.isolation.filesystem import HOME, PATH
 
                 cmd = [*self.sandbox, "--", *cmd]
-                env = {"PATH": PATH, "LANG": "C.UTF-8"}  # nothing of the worker's environment
+                # Nothing of the worker's environment, and the home its bodies will have: a package imported here
+                # caches paths from it (Prefect's settings: PREFECT_HOME), which a body must be able to reach.
+                env = {"PATH": PATH, "LANG": "C.UTF-8", "HOME": HOME, "TMPDIR": "/tmp"}
             self._proc = _spawn(lambda: subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
                                                          pass_fds=[theirs.fileno()], env=env))
             theirs.close()

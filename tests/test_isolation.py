@@ -140,11 +140,72 @@ def _bodies():
         with open(path) as f:
             return f.read()
 
-    return tenant_a, tenant_b, whoami, own_node, data_user, reader
+    def keyring_writer(secret: str) -> dict:
+        """Leaves a secret in its UID's user keyring (which outlives every process of the UID, and a UID is leased
+        again to another tenant later), and tries to read that keyring back: errno of each call."""
+        import ctypes
+        import ctypes.util
+        import os
+        import platform
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        add_key, keyctl = (217, 219) if platform.machine() == "aarch64" else (248, 250)  # system-call numbers
+        user_keyring = -4  # KEY_SPEC_USER_KEYRING
+        key = libc.syscall(ctypes.c_long(add_key), b"user", b"aisched-left", secret.encode(),
+                           ctypes.c_size_t(len(secret)), ctypes.c_int(user_keyring))
+        add = [key, ctypes.get_errno()]
+        got = libc.syscall(ctypes.c_long(keyctl), ctypes.c_int(0), ctypes.c_int(user_keyring), ctypes.c_int(0))
+        return {"add_key": add, "get_keyring_id": [got, ctypes.get_errno()], "uid": os.getuid()}
+
+    def deep_tree(depth: int) -> dict:
+        """A working directory `depth` levels deep, and a symlink out of it to a directory it must not lose."""
+        import os
+
+        home = os.environ["HOME"]
+        os.symlink("/usr", os.path.join(home, "usr-link"))
+        os.chdir(home)
+        for _ in range(depth):
+            os.mkdir("d")
+            os.chdir("d")
+            with open("f", "w") as f:
+                f.write("x")
+        os.chdir(home)
+        return {"home": home, "depth": depth}
+
+    def prefect_user() -> dict:
+        """What every flow's task module does: Prefect, imported by the tenant's zygote as root, then used here."""
+        import os
+
+        from prefect.logging.configuration import setup_logging
+        from prefect.settings import PREFECT_HOME
+
+        setup_logging()  # reads PREFECT_HOME/logging.yml if it is there
+        return {"prefect_home": str(PREFECT_HOME.value()), "home": os.environ["HOME"]}
+
+    def tmp_filler(where: str) -> dict:
+        """Writes 16 MiB at a time into `where` until the write fails: how much went in, and why it stopped."""
+        import os
+
+        chunk, written = b"x" * (16 << 20), 0
+        try:
+            with open(os.path.join(where, "fill"), "wb") as f:
+                while written < (4 << 30):
+                    f.write(chunk)
+                    f.flush()
+                    written += len(chunk)
+        except OSError as exc:
+            return {"written": written, "errno": exc.errno}
+        return {"written": written, "errno": None}
+
+    return (tenant_a, tenant_b, whoami, own_node, data_user, reader, keyring_writer, deep_tree, prefect_user,
+            tmp_filler)
 
 
-tenant_a, tenant_b, whoami, own_node, data_user, reader = _bodies()
+(tenant_a, tenant_b, whoami, own_node, data_user, reader, keyring_writer, deep_tree, prefect_user,
+ tmp_filler) = _bodies()
 DATA_GID = 23500  # the team's group: owns its shared storage; no user of this host has it
+BODY_MEMORY_GB = 1  # each body's memory bound on `iso`: its /tmp and /dev/shm hold half of it each
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +224,8 @@ def cluster(tmp_path_factory):
                                     "DASK_DASK_GPU__ISOLATION__DEVICE_NODES": str(dev),
                                     "DASK_DASK_GPU__ISOLATION__BODY_UIDS": f"{UIDS[0]}-{UIDS[1]}",
                                     "DASK_DASK_GPU__ISOLATION__TENANT_PATHS": f"team-d={data}",
-                                    "DASK_DASK_GPU__ISOLATION__TENANT_GROUPS": f"team-d={DATA_GID}"})
+                                    "DASK_DASK_GPU__ISOLATION__TENANT_GROUPS": f"team-d={DATA_GID}",
+                                    "DASK_DASK_GPU__ISOLATION__BODY_MEMORY_GB": str(BODY_MEMORY_GB)})
     procs.data = data
     try:
         procs.start_scheduler()
@@ -187,8 +249,8 @@ def signer(cluster) -> TicketSigner:
 
 
 def submit(client, signer, tenant: str, fn, *args, worker: str = "iso", key: str | None = None,
-           devices: list[str] | None = None):
-    body = Body(payload=cloudpickle.dumps(fn) + cloudpickle.dumps((args, {})), devices=devices)
+           devices: list[str] | None = None, modules: tuple[str, ...] = ()):
+    body = Body(payload=cloudpickle.dumps(fn) + cloudpickle.dumps((args, {})), devices=devices, modules=list(modules))
     ticket = signer.issue(run=f"iso-{time.monotonic_ns()}", payload_digest=digest(body.payload),
                           code_digest=code_digest(fn), request=REQUEST, tenant=tenant)
     return client.submit(run_ticketed, ticket, body, workers=[worker], allow_other_workers=False,
@@ -310,3 +372,59 @@ def test_a_tenants_bodies_reach_its_declared_data_under_its_group_and_nothing_el
         other.error_message and "--tenant-path team-d=" in other.error_message, other.error_message
     assert not foreign.ok and str(data) in foreign.error_message and "tenant team-b" in foreign.error_message, \
         foreign.error_message
+
+
+def test_a_body_leaves_nothing_in_its_uids_kernel_keyring_for_a_later_tenant(cluster, signer):
+    """The kernel's per-UID user keyring is not namespaced and outlives every process of the UID; UIDs are leased
+    again to other tenants. A body on the root worker cannot add a key there or even look the keyring up (EPERM from
+    the body's system-call filter), so nothing of one tenant waits in it for the next."""
+    import errno
+
+    with cluster.client() as client:
+        out = submit(client, signer, "team-k", keyring_writer, "k's secret").result(timeout=60)
+    assert out.ok, out.error_text
+    seen = cloudpickle.loads(out.value)
+    assert UIDS[0] <= seen["uid"] <= UIDS[1]
+    assert seen["add_key"] == [-1, errno.EPERM] and seen["get_keyring_id"] == [-1, errno.EPERM], seen
+
+
+def test_a_3000_deep_working_directory_is_removed_when_its_body_ends(cluster, signer):
+    """A body leaves a 3,000-deep tree (past CPython 3.11's recursive rmtree) and a symlink to /usr in its working
+    directory: the worker removes all of it without following the link, and says nothing of a RecursionError."""
+    from dask_gpu.cluster import worker_addresses
+
+    with cluster.client() as client:
+        address = worker_addresses(client)["iso"]
+        local = client.run(lambda dask_worker: dask_worker.local_directory, workers=[address])[address]
+        bodies = Path(local) / "bodies"
+        before = set(bodies.iterdir())
+        out = submit(client, signer, "team-e", deep_tree, 3000).result(timeout=120)
+        assert out.ok, out.error_text
+    assert cloudpickle.loads(out.value) == {"home": "/home/body", "depth": 3000}
+    wait_until(lambda: not (set(bodies.iterdir()) - before), 60, "the deep working directory to be removed")
+    assert os.path.isdir("/usr/bin") and "RecursionError" not in cluster.log("iso")
+
+
+def test_a_package_the_zygote_imported_as_root_works_in_the_body_under_its_own_home(cluster, signer):
+    """A flow's task module imports Prefect; the tenant's zygote imports it (an installed package) as root before
+    forking the body. Prefect keeps PREFECT_HOME from the environment it was imported in: the zygote's is the body's
+    (HOME=/home/body), not root's home, which a body cannot read (every example flow failed on isolated workers with
+    PermissionError on /root/.prefect/logging.yml)."""
+    with cluster.client() as client:
+        out = submit(client, signer, "team-f", prefect_user, modules=("prefect",)).result(timeout=120)
+    assert out.ok, out.error_text
+    assert cloudpickle.loads(out.value) == {"prefect_home": "/home/body/.prefect", "home": "/home/body"}
+
+
+@pytest.mark.parametrize("where", ["/tmp", "/dev/shm"])
+def test_a_bodys_tmp_and_shm_are_full_at_half_its_memory_bound_and_the_body_lives_to_say_so(cluster, signer, where):
+    """A body filling its private /tmp (or /dev/shm) gets ENOSPC at half its memory bound, not the kernel's default
+    of half the host's memory, and not the OOM killer: its run returns and says how far it got."""
+    import errno
+
+    with cluster.client() as client:
+        out = submit(client, signer, "team-g", tmp_filler, where).result(timeout=120)
+    assert out.ok, out.error_text
+    seen = cloudpickle.loads(out.value)
+    half = BODY_MEMORY_GB * 2**30 // 2
+    assert seen["errno"] == errno.ENOSPC and half - (16 << 20) <= seen["written"] <= half, seen

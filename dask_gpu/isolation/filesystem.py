@@ -199,53 +199,62 @@ def unescape_mountinfo(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def mounts_under(roots: Iterable[str], mountinfo: str) -> list[str]:
-    """The outermost mount points strictly inside any of `roots`, in the order they were mounted.
+def mounts_under(roots: Iterable[str], mountinfo: str) -> list[tuple[str, bool]]:
+    """The outermost mount points strictly inside any of `roots`, in the order they were mounted, each with whether
+    it is mounted read-only (a tenant's data path under /tmp stays writable when the body's tmpfs covers /tmp).
 
     >>> info = "1 0 0:1 / / rw - tmpfs x rw\\n2 1 0:2 / /tmp rw - tmpfs x rw\\n3 2 8:1 /v /tmp/c/.venv ro - ext4 /dev/vda rw\\n"
-    >>> info += "4 3 0:3 / /tmp/c/.venv/k rw - tmpfs x rw\\n"
+    >>> info += "4 3 0:3 / /tmp/c/.venv/k rw - tmpfs x rw\\n5 2 8:1 /d /tmp/data rw,nosuid - ext4 /dev/vda rw\\n"
     >>> mounts_under(["/tmp", "/dev/shm"], info)
-    ['/tmp/c/.venv']
+    [('/tmp/c/.venv', True), ('/tmp/data', False)]
     """
     roots = [r.rstrip("/") for r in roots]
-    points = [unescape_mountinfo(line.split()[4]) for line in mountinfo.splitlines() if len(line.split()) > 4]
+    points: dict[str, bool] = {}
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 5:
+            points[unescape_mountinfo(fields[4])] = "ro" in fields[5].split(",")
     inside = [p for p in points if any(p.startswith(r + "/") for r in roots)]
-    return [p for p in dict.fromkeys(inside) if not any(q != p and p.startswith(q + "/") for q in inside)]
+    return [(p, points[p]) for p in inside if not any(q != p and p.startswith(q + "/") for q in inside)]
 
 
-def _private_dirs(uid: int, gid: int) -> None:
-    """A fresh tmpfs on each of PRIVATE_DIRS, with the sandbox's read-only binds under them (a checkout in /tmp) kept.
+def _private_dirs(uid: int, gid: int, size: int | None = None) -> None:
+    """A fresh tmpfs on each of PRIVATE_DIRS, with the sandbox's binds under them kept as they were (a checkout in /tmp
+    read-only, a tenant's data path writable unless given `:ro`).
 
     The binds are held open by O_PATH descriptors while the tmpfs covers them, then bound back (with what is mounted
     inside them: the covers over the worker's local directory and TLS files) and made read-only again."""
     with open("/proc/self/mountinfo") as f:
         keep = mounts_under(PRIVATE_DIRS, f.read())
-    held = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in keep]
+    held = [(path, read_only, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path, read_only in keep]
     for d in PRIVATE_DIRS:  # NCCL and DataLoader use /dev/shm
-        mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}")
-    for path, fd in held:
+        sized = f",size={size}" if size else ""
+        mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={gid}{sized}")
+    for path, read_only, fd in held:
         os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
         if os.path.isdir(f"/proc/self/fd/{fd}"):
             os.makedirs(path, mode=0o755, exist_ok=True)
         else:
             open(path, "a").close()
         mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (MS_RDONLY if read_only else 0))
         os.close(fd)
 
 
-def enter_run(uid: int, gid: int, workdir: str, devices: Iterable[int]) -> None:
+def enter_run(uid: int, gid: int, workdir: str, devices: Iterable[int], tmp_bytes: int | None = None) -> None:
     """In a body's new process (root, PID 1 of its own PID namespace): its own mount namespace and views.
 
     A /dev of its own (the standard nodes and only its own GPU nodes, on a fresh tmpfs: nothing is removed from the /dev
     the tenant's bodies share), a private /tmp and /dev/shm, its working directory on /home/body, the other bodies'
-    directories covered, and a /proc of its PID namespace. The caller then drops to `uid`."""
+    directories covered, and a /proc of its PID namespace. /tmp and /dev/shm each hold at most `tmp_bytes` (half the
+    body's memory bound: a full one says ENOSPC, not the kernel's default of half the host's memory). The caller then
+    drops to `uid`."""
     from dask_gpu.isolation.devices import private_dev
 
     unshare(CLONE_NEWNS)
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     private_dev(devices)  # first: it covers /dev, and _private_dirs then mounts the body's tmpfs on its /dev/shm
-    _private_dirs(uid, gid)
+    _private_dirs(uid, gid, tmp_bytes)
     mount(workdir, HOME, None, MS_BIND)
     mount("tmpfs", BODIES, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0000,size=4k")
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
