@@ -26,7 +26,7 @@ PREFECT_API_URL is unset):
     .venv/bin/python -m flows.training
 
 Without PREFECT_API_URL nobody could answer, so the example decides without a person
-(the promotion is denied, as the policy says). To answer the form yourself, run
+(the promotion is denied, as the policy says; `--no-promote` leaves it out). To answer the form yourself, run
 `prefect server start` first and set `PREFECT_API_URL=http://127.0.0.1:4200/api`, or
 use the deployment (`make demo-server`). Environment settings: see `flows/common.py`.
 
@@ -148,10 +148,15 @@ def nightly_training(dataset: str = "synthetic-regression", epochs: int = 2, gpu
 
 
 if __name__ == "__main__":
+    import argparse
+
     from flows.nightly import print_evidence
 
+    cli = argparse.ArgumentParser(description="Nightly training: prepare, train on 2 GPUs, evaluate, promote.")
+    cli.add_argument("--no-promote", action="store_true", help="leave out the promotion (and its approval)")
+    args = cli.parse_args()
     logging.getLogger("distributed").setLevel(logging.WARNING)  # keep the output about the example
     ensure_example_blocks()
-    result = nightly_training()
+    result = nightly_training(promote=not args.no_promote)
     print(json.dumps({k: result[k] for k in ("decision", "promoted")}, indent=2))
     print_evidence(result["flow_run_id"])

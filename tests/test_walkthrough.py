@@ -166,7 +166,7 @@ def assert_loopback_only(shell: Shell, *, expect: int) -> None:
 
 def test_the_page_marks_its_walk_through():
     names = [s.name for s in steps()]
-    assert names == ["prefect", "cluster", "configure", "flow", "file train_retry.py", "kill-worker",
+    assert names == ["prefect", "cluster", "configure", "flow", "training", "file train_retry.py", "kill-worker",
                      "restart-scheduler", "stop"], names
     assert steps()[-1].code.startswith("kill $PLANE; wait $PLANE")  # timed on its own: the control plane stops
     text = PAGE.read_text()
@@ -177,17 +177,19 @@ def test_the_walk_through_runs_as_written(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     ports = {p: free_port() for p in PORTS}
+    # The page's own workers: isolated where this host can (root and bubblewrap, as in CI), not the suite's shared mode.
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("AISCHED_", "PREFECT_", "DASK_GPU_", "PYTEST_"))}
+           if not k.startswith(("AISCHED_", "PREFECT_", "DASK_GPU_", "DASK_DASK_GPU__ISOLATION", "PYTEST_"))}
     env.update(HOME=str(home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-               PYTHONPATH=str(ROOT), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+               PYTHONPATH=str(ROOT), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               DASK_TEMPORARY_DIRECTORY=str(tmp_path / "dask-scratch"))  # the workers' own, not the host's /tmp one
     env.pop("VIRTUAL_ENV", None)
     shell = Shell(tmp_path, env)
     done: dict[str, str] = {}
     took: dict[str, float] = {}
     # Hang detectors, not timing goals (a quiet machine runs the page in about 2 minutes): CI on a loaded 2-core
     # machine once took 116 s for `cluster` and more than 180 s for `configure`'s five CLI commands.
-    timeouts = {"prefect": 60, "cluster": 420, "configure": 420, "flow": 420, "kill-worker": 420,
+    timeouts = {"prefect": 60, "cluster": 420, "configure": 420, "flow": 420, "training": 420, "kill-worker": 420,
                 "restart-scheduler": 480, "stop-0": 30, "stop-1": 60}
 
     def run(step: Step) -> str:
@@ -213,8 +215,12 @@ def test_the_walk_through_runs_as_written(tmp_path):
             out = run(step)
             if step.name == "configure":  # everything the page starts is up: where does each listen?
                 assert_loopback_only(shell, expect=7)  # Prefect, scheduler, two workers and their nannies, the plane
+            elif step.name == "cluster":
+                _check_isolation(demo)
             elif step.name == "flow":
                 _check_names(out, demo)
+            elif step.name == "training":
+                _check_training(out, demo)
             elif step.name == "kill-worker":
                 _check_worker_died_and_retry(out, home)
         # `kill $PLANE; wait $PLANE` returned: aisched serve stopped on SIGTERM promptly, and said so
@@ -225,7 +231,7 @@ def test_the_walk_through_runs_as_written(tmp_path):
     except BaseException:
         print(f"---- step times so far: {({k: round(v, 1) for k, v in took.items()})}")
         print("---- the shell's output\n" + "".join(shell.transcript[-80:]))
-        for name in ("scheduler", "gpu-a", "gpu-b", "serve", "train", "batch-inference"):
+        for name in ("scheduler", "gpu-a", "gpu-b", "serve", "train", "batch-inference", "training"):
             f = demo / f"{name}.log"
             if f.exists():
                 print(f"---- {f.name} (last lines)\n" + "".join(f.read_text().splitlines(True)[-30:]))
@@ -233,6 +239,26 @@ def test_the_walk_through_runs_as_written(tmp_path):
     finally:
         shell.close()
     print({k: round(v, 1) for k, v in took.items()})
+
+
+def _check_isolation(demo: Path) -> None:
+    """Where this host can isolate (root and bubblewrap: CI), the page's workers do, for the examples tenant only."""
+    from dask_gpu.isolation import IsolationSettings, plan_for
+
+    if plan_for(IsolationSettings(mode="auto", tenant="examples")).mode != "isolated":
+        assert not os.environ.get("AISCHED_REQUIRE_ISOLATION"), "AISCHED_REQUIRE_ISOLATION is set: this host must isolate"
+        return
+    for name in ("gpu-a", "gpu-b"):  # `aisched workers --wait 2` returned: both joined, after logging their mode
+        log = (demo / f"{name}.log").read_text()
+        assert "isolated: each body runs under its own UID" in log and "for tenant examples only" in log, log[-3000:]
+
+
+def _check_training(out: str, demo: Path) -> None:
+    """Nightly training ran on the page's cluster: its bodies read the data its flow wrote and wrote the checkpoint."""
+    assert '"decision": "promotion not requested"' in out, out
+    log = (demo / "training.log").read_text()
+    assert re.search(r"trained on gpu-[ab] devices .*the trainer process saw CUDA_VISIBLE_DEVICES=\d,\d", log), log
+    assert re.search(r"accuracy (0\.9|1\.0)\d* on 2048 rows", log), log
 
 
 def _check_names(out: str, demo: Path) -> None:
