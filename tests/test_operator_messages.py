@@ -57,7 +57,7 @@ def test_a_gpu_type_no_worker_has_is_named_with_what_the_cluster_has():
 
 
 def test_reject_says_the_run_will_not_start(monkeypatch):
-    import aisched_prefect.cli as cli
+    from aisched_prefect.cli import common
 
     class Plane:
         _token = "t"
@@ -66,7 +66,7 @@ def test_reject_says_the_run_will_not_start(monkeypatch):
             assert path == "/v1/approvals/11/answer" and body["approve"] is False
             return {"status": "rejected", "approved_by": []}
 
-    monkeypatch.setattr(cli, "_plane", lambda *a, **k: Plane())
+    monkeypatch.setattr(common, "plane", lambda *a, **k: Plane())
     out = runner.invoke(app, ["reject", "11", "--reason", "not tonight"])
     assert out.exit_code == 0, out.output
     assert "rejected 11: the run will not start and its hold is released" in out.output
