@@ -19,9 +19,10 @@ from aisched_prefect.config import REFUSED, RunnerConfig
 from aisched_prefect.errors import ConfigurationError, NoAdmissionContext
 from aisched_prefect.session import RunnerSession
 from aisched_prefect.stream import LoopThread
+from aisched_prefect.taskcontext import AdmittingRunner
 
 
-class AISchedTaskRunner(ThreadPoolTaskRunner):
+class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
     """Admit every AI task at the control plane (authority, budget, approval) and run it on a GPU worker.
 
     Args:

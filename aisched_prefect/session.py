@@ -27,6 +27,7 @@ from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, Configura
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import settings
 from aisched_prefect.stream import ENGINE_SLOT, CallStream, LoopThread
+from aisched_prefect.taskcontext import as_sync
 from aisched_prefect.wire import ApprovalView, CallMeta, Reply
 from dask_gpu import StopRequested
 from dask_gpu.bodycode import code_digest, preloads, ship
@@ -196,8 +197,6 @@ class RunnerSession:
                         flow_name: str | None = None, run_key: str | None = None, deployment: bool = False,
                         attempt: int = 1) -> Any:
         """`run`, as a coroutine on the session's loop: a waiting run holds no thread and no connection."""
-        from aisched_prefect.task import as_sync
-
         self.flow_run_ids.add(flow_run_id)
         fn_bytes, modules, digest = self._pickled(fn)
         args_bytes = cloudpickle.dumps((args, kwargs))

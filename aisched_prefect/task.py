@@ -18,8 +18,8 @@ from prefect.client.schemas.objects import State, TaskRun
 
 from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, InvalidAIRequest, NoAdmissionContext
 from dask_gpu.tickets import TicketRejected
-from aisched_prefect.logs import quiet_expected_outcomes
 from aisched_prefect.request import AIRequest
+from aisched_prefect.taskcontext import SYNC_TASK_ATTR, as_sync, call_context
 
 R = TypeVar("R")
 
@@ -33,29 +33,8 @@ def request_of(task: Task[Any, Any]) -> AIRequest | None:
     return getattr(task.fn, REQUEST_ATTR, None)
 
 
-def _call_context(fn: Callable[..., Any]) -> tuple[Any, dict[str, Any]]:
-    """The runner of the flow run this call belongs to, and what the control plane is told of the call."""
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    from aisched_prefect.runner import AISchedTaskRunner
-
-    flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
-    runner = getattr(flow_ctx, "task_runner", None)
-    if flow_ctx is None or task_ctx is None or not isinstance(runner, AISchedTaskRunner):
-        raise NoAdmissionContext(
-            f"AI task {fn.__name__!r} ran without admission: call it inside a flow declared with "
-            "@flow(task_runner=AISchedTaskRunner(principal=..., authority=..., budget=...))"
-        )
-    quiet_expected_outcomes()
-    return runner, dict(
-        task_name=task_ctx.task.name, task_run_id=str(task_ctx.task_run.id), flow_run_id=str(flow_ctx.flow_run.id),
-        flow_name=flow_ctx.flow.name if flow_ctx.flow else None,
-        run_key=f"{flow_ctx.flow_run.id}/{task_ctx.task_run.task_key}",
-        deployment=bool(flow_ctx.flow_run.deployment_id), attempt=max(task_ctx.task_run.run_count, 1))
-
-
 def _admit_and_run(fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    runner, call = _call_context(fn)
+    runner, call = call_context(fn)
     return runner.session.run(fn, request, args, kwargs, **call)
 
 
@@ -64,31 +43,9 @@ async def _admit_and_run_async(fn: Callable[..., Any], request: AIRequest, args:
     """The same admission, as a coroutine: how a submitted or mapped run waits (no thread of its own)."""
     import asyncio
 
-    runner, call = _call_context(fn)
+    runner, call = call_context(fn)
     session = await asyncio.to_thread(as_sync(lambda: runner.session))  # the first call may start an embedded plane
     return await session.run_async(fn, request, args, kwargs, **call)
-
-
-SYNC_TASK_ATTR = "aisched_sync_task"
-
-
-def as_sync(fn: Callable[..., R]) -> Callable[..., R]:
-    """`fn`, to be called in a thread on behalf of an AI task run that waits as a coroutine, with Prefect seeing
-    the task as the sync one it is (Prefect's sync/async dispatch reads the running task's `isasync`: under the
-    async twin, `Block.load` or `pause_flow_run` would return coroutines)."""
-    from prefect.context import TaskRunContext
-
-    ctx = TaskRunContext.get()
-    original = getattr(getattr(ctx, "task", None), SYNC_TASK_ATTR, None)
-    if ctx is None or original is None:
-        return fn
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> R:
-        with ctx.model_copy(update={"task": original}):
-            return fn(*args, **kwargs)
-
-    return run
 
 
 def async_twin(task: Task[Any, Any]) -> Task[Any, Any]:
