@@ -183,16 +183,16 @@ def test_links_are_stored_hashed_answer_once_and_end_at_the_deadline(sqlite_url)
         book.make_link(ids[0], "team-a/x")
     url = book.make_link(ids[0], "alice")
     token = url.split("link=", 1)[1]
-    holder = book.link_holder(ids[0], token)
+    holder = book.links.holder(ids[0], token)
     assert holder is not None and holder.principal == "alice" and not holder.used
-    assert book.link_holder(ids[1], token) is None  # another request
-    assert book.link_holder(ids[0], token[:-2] + "xx") is None  # another secret
-    book.use_link(holder)
+    assert book.links.holder(ids[1], token) is None  # another request
+    assert book.links.holder(ids[0], token[:-2] + "xx") is None  # another secret
+    book.links.use(holder)
     with pytest.raises(ApprovalError, match="used already"):
-        book.use_link(holder)
-    assert book.link_holder(ids[0], token).used
+        book.links.use(holder)
+    assert book.links.holder(ids[0], token).used
     time.sleep(max(0.0, first_deadline - time.time()) + 0.05)
-    assert book.link_holder(ids[0], token) is None  # past the request's deadline
+    assert book.links.holder(ids[0], token) is None  # past the request's deadline
     with pytest.raises(ApprovalError, match="ambiguous"):
         book.resolve(ids[0][:8])
     assert book.resolve(ids[1][:12]) == ids[1] and book.resolve(ids[0]) == ids[0]

@@ -24,14 +24,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from pydantic import BaseModel
 
 from aisched_prefect.approvals import ApprovalDecision
-from aisched_prefect.control.approvals import (
-    ApprovalError,
-    LinkHolder,
-    budget_left,
-    duration_in_words,
-    gpus_in_words,
-    time_left,
-)
+from aisched_prefect.control.approval_proof import ApprovalError, LinkHolder
+from aisched_prefect.control.approval_words import budget_left, duration_in_words, gpus_in_words, time_left
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.service import ControlPlane, Unauthorized
 from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable, RequestTooLarge
@@ -434,7 +428,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
         form = form or {}
         link = form.get("link") or request.query_params.get("link")
         if link:
-            return plane.approvals.link_holder(approval_id, link)
+            return plane.approvals.links.holder(approval_id, link)
         token = form.get("token") or _token(request)
         if token:
             try:
@@ -508,7 +502,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
             def counted() -> Any:
                 if isinstance(viewer, LinkHolder):  # proved first, then spent, then counted: a refusal keeps the link
                     plane.approvals.check(approval_id, answer, viewer)
-                    plane.approvals.use_link(viewer)
+                    plane.approvals.links.use(viewer)
                 return plane.answer(viewer, approval_id, answer, items)  # type: ignore[arg-type]
 
             view = await run(counted)

@@ -9,33 +9,37 @@ itself can resume its own run) and is recorded, not counted.
 
 State lives in `aisched_approvals` (its transitions are conditional updates,
 so two replicas or two answers cannot both win), and every transition leaves
-its evidence record.
+its evidence record. What proves an answer is approval_proof.py, one-time links
+and the approval hook approval_links.py, the request's words approval_words.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
-import secrets
 import threading
 import time
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
 
-from aisched_prefect.approvals import ApprovalDecision, batch_digest, request_digest, signature_valid
-from aisched_prefect.control import stages
+from aisched_prefect.approvals import ApprovalDecision, batch_digest, request_digest
 from aisched_prefect.control.admission import Admission, mark_version_seen
+from aisched_prefect.control.approval_links import ApprovalLinks, hook_of
+from aisched_prefect.control.approval_proof import (
+    ApprovalError,
+    LinkHolder,
+    approver_chain,
+    approvers_of,
+    authority_of,
+    decided_in_the_log,
+    identify,
+)
+from aisched_prefect.control.approval_words import SHORT_ID, budget_left, describe
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.state import AuthorityState
-from aisched_prefect.errors import AdmissionDenied, AISchedError
+from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.wire import ApprovalView
-from blocks import ChainBroken, Grant
 
 logger = logging.getLogger("aisched_prefect.control")
 metadata = sa.MetaData()
@@ -58,39 +62,6 @@ approvals = sa.Table(
 )
 
 
-links = sa.Table(
-    "aisched_approval_links", metadata,
-    sa.Column("id", sa.String(16), primary_key=True),
-    sa.Column("approval_id", sa.String(32), nullable=False, index=True),
-    sa.Column("approver", sa.String(200), nullable=False),
-    sa.Column("secret_hash", sa.String(64), nullable=False),  # sha256 of the secret: the link itself is never stored
-    sa.Column("expires_at", sa.Float, nullable=False),
-    sa.Column("used_at", sa.Float),
-)
-
-SHORT_ID = 8  # `aisched approvals list` shows this many characters of an id; any unique prefix this long resolves
-
-
-@dataclass(frozen=True)
-class LinkHolder:
-    """Whoever opened a one-time approval link: it proves the approver it was made for, for one request, once."""
-
-    principal: str
-    link_id: str
-    approval_id: str
-    used: bool
-
-
-def _link_hash(secret: str) -> str:
-    return hashlib.sha256(f"aisched-approval-link/1\n{secret}".encode()).hexdigest()
-
-
-class ApprovalError(AISchedError):
-    """An answer that cannot be taken: unknown approval, already decided, or not from an approver."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        self.status = status
-        super().__init__(message)
 
 
 class ApprovalBook:
@@ -99,6 +70,11 @@ class ApprovalBook:
     def __init__(self, ledger: Ledger, state: AuthorityState, base_url: str = "") -> None:
         self.ledger, self.state, self.base_url = ledger, state, base_url
         metadata.create_all(ledger.engine, checkfirst=True)
+        self.links = ApprovalLinks(ledger, base_url)  # one-time links for approvers (approval_links.py)
+
+    def make_link(self, approval_id: str, approver: str) -> str:
+        """A one-time link for `approver` to answer this request (ApprovalLinks.make)."""
+        return self.links.make(self._row(approval_id), approver)
 
     # -- asking ---------------------------------------------------------------------------
     def create(self, admission: Admission, payload: dict[str, Any], currency: str) -> ApprovalView:
@@ -123,30 +99,11 @@ class ApprovalBook:
                 task_run_id=view.task_run_id, principal=view.principal, status="pending", suspended=False,
                 deadline=view.deadline, approved_by=[], decided_by=None, reason="", view=view.model_dump(mode="json"),
                 admission=admission.model_dump(mode="json")))
-        hook = self._hook(admission)
+        hook = hook_of(self.state, admission)
         if hook:
-            threading.Thread(target=self._deliver, args=(view, hook), name="aisched-approval-hook", daemon=True).start()
+            threading.Thread(target=self.links.deliver, args=(view, hook, self._row(view.id), self.approvers),
+                             name="aisched-approval-hook", daemon=True).start()
         return view
-
-    def _hook(self, admission: Admission) -> str | None:
-        """The approval hook of the policy the run was admitted under (an operator's setting, never the flow's)."""
-        ref = admission.versions.get("policy")
-        if not ref:
-            return None
-        applied = self.state.snapshot.config("policy", ref.split(":", 1)[-1].rsplit("@", 1)[0])
-        return getattr(applied.model, "approval_hook", None) if applied is not None else None
-
-    def _deliver(self, view: ApprovalView, url: str) -> None:
-        """Post the request with one link per approver to the policy's hook. The links go there only: the flow
-        process (the requester) gets the view without them."""
-        import httpx
-
-        try:
-            made = {who: self.make_link(view.id, who) for who in self.approvers(view.id)}
-            httpx.post(url, json={"event": "aisched.approval.requested", **view.model_dump(mode="json"),
-                                  "links": made}, timeout=10)
-        except Exception:  # a chat hook that fails must not decide the run: the page's sign-in still works
-            logger.exception("could not deliver approval %s to its hook %s", view.id, url)
 
     def find(self, flow_run_id: str, digest: str) -> str | None:
         """The request a re-run of a suspended flow run finds its answer in (approved, rejected, expired, or still
@@ -169,55 +126,9 @@ class ApprovalBook:
                    if r.kind == "settlement" and r.payload.get("approval_digest") == digest
                    and r.payload.get("outcome") == "completed")
 
-    # -- one-time links -------------------------------------------------------------------
-    def make_link(self, approval_id: str, approver: str) -> str:
-        """A link that lets `approver` answer this one request once, until its deadline, with no secret to paste:
-        `<base_url>/approve/<id>?link=<token>`. Only its hash is stored; whoever holds the link is that approver
-        for this request (deliver it to them alone: the plane's approval hook, never the flow process)."""
-        row = self._row(approval_id)
-        if row.status != "pending" or time.time() >= row.deadline:
-            raise ApprovalError(f"approval {approval_id} is {row.status}: no link is made for it", 409)
-        if approver == row.principal:
-            raise ApprovalError("the requester cannot approve its own run: no link is made for it", 403)
-        link_id, secret = secrets.token_hex(8), secrets.token_urlsafe(24)
-        with self.ledger.engine.begin() as conn:
-            conn.execute(links.insert().values(id=link_id, approval_id=row.id, approver=approver,
-                                               secret_hash=_link_hash(secret), expires_at=row.deadline, used_at=None))
-        return f"{self.base_url}/approve/{row.id}?link=al_{link_id}_{secret}"
-
-    def link_holder(self, approval_id: str, token: str) -> LinkHolder | None:
-        """Who this link was made for, if it is a link for this request that has not expired; else None."""
-        parts = token.split("_", 2)
-        if len(parts) != 3 or parts[0] != "al" or len(parts[1]) != 16:
-            return None
-        with self.ledger.reader.connect() as conn:
-            row = conn.execute(sa.select(links).where(links.c.id == parts[1])).first()
-        if row is None or row.approval_id != approval_id or time.time() >= row.expires_at:
-            return None
-        if not hmac.compare_digest(row.secret_hash, _link_hash(parts[2])):
-            return None
-        return LinkHolder(principal=row.approver, link_id=row.id, approval_id=row.approval_id,
-                          used=row.used_at is not None)
-
-    def use_link(self, holder: LinkHolder) -> None:
-        """Spend the link (once, on any replica): a second answer with it is refused."""
-        with self.ledger.engine.begin() as conn:
-            spent = conn.execute(links.update().where((links.c.id == holder.link_id) & links.c.used_at.is_(None))
-                                 .values(used_at=time.time())).rowcount
-        if spent != 1:
-            raise ApprovalError("this link was used already: it answers once. Ask for a new one, or sign in", 409)
-
     def approvers(self, approval_id: str) -> list[str]:
-        """Everyone who may approve this run now (a grant with can_approve covering it), the requester excluded:
-        who the approval hook sends a link to."""
-        adm = self.admission(approval_id)
-        snap, authority = self._authority(adm)
-        idx = snap.index(authority)
-        names = {*idx.by_principal, *(p for (a, p) in snap.delegated_to if a in (authority.name, None))}
-        groups = getattr(authority.model, "groups", {}) or {}
-        names |= {m for members in groups.values() for m in members}
-        return sorted(n for n in names if isinstance(n, str) and n != adm.principal and not n.startswith("group:")
-                      and self._approver_chain(snap, authority, n, adm) is not None)
+        """Everyone who may approve this run now, the requester excluded (approval_proof.approvers_of)."""
+        return approvers_of(self.state, self.admission(approval_id))
 
     def may_see(self, approval_id: str, caller: Credential | LinkHolder | None) -> bool:
         """Whether this caller may be shown the request: an operator; an approver who may approve it (its authority,
@@ -234,12 +145,12 @@ class ApprovalBook:
         if caller.role == "flow":
             return caller.principal == adm.principal and caller.authority == adm.authority
         try:
-            snap, authority = self._authority(adm)
+            snap, authority = authority_of(self.state, adm)
         except ApprovalError:
             return False
         if caller.authority is not None and caller.authority != authority.name:
             return False
-        return self._approver_chain(snap, authority, caller.principal, adm) is not None
+        return approver_chain(snap, authority, caller.principal, adm) is not None
 
     def why_not(self, approval_id: str, caller: Credential, decision: ApprovalDecision) -> str:
         """Why this credential's answer cannot count, in words that tell nothing about the run."""
@@ -390,10 +301,10 @@ class ApprovalBook:
         if view.status not in ("pending", "suspended"):
             raise ApprovalError(f"approval {approval_id} is already {view.status}", 409)
         adm = self.admission(approval_id)
-        snap, authority = self._authority(adm)
+        snap, authority = authority_of(self.state, adm)
         signed = view.digest if not batch or len(batch) == 1 else batch_digest([self.view(i).digest for i in batch])
-        who, channel = self._identify(view, adm, authority, decision, caller, signed)
-        chain = self._approver_chain(snap, authority, who, adm)
+        who, channel = identify(view, adm, authority, decision, caller, signed)
+        chain = approver_chain(snap, authority, who, adm)
         if chain is None:
             raise ApprovalError(f"{who!r} holds no grant with the right to approve this run"
                                 + (f" (request {approval_id} of the batch)" if batch and len(batch) > 1 else ""), 403)
@@ -422,102 +333,11 @@ class ApprovalBook:
             return self.view(approval_id)
 
         def op(w: Any) -> str:
-            """Count the vote against the row as it is now (two answers at once, on any replica, both count)."""
-            cur = w.conn.execute(sa.select(approvals.c.status, approvals.c.approved_by)
-                                 .where(approvals.c.id == approval_id).with_for_update()).first()
-            if cur is None or cur.status != "pending":
-                return "decided"
-            earlier = list(cur.approved_by or [])
-            if who in earlier:
-                w.append("approval-vote", {**base, "counted": False, "approval": approval_id,
-                                           "why": f"{who} already approved"}, adm.ids)
-                return "repeat"
-            # Earlier votes count while their approvers still hold the right to approve this run.
-            chains = {who: base["approver_chain"]}
-            for a in earlier:
-                c = self._approver_chain(snap, authority, a, adm)
-                if c is not None:
-                    chains[a] = [g.id for g in c]
-            gone = [a for a in earlier if a not in chains]
-            lapsed = {"lapsed": gone} if gone else {}
-            approved_by = [a for a in earlier if a in chains] + [who]
-            ids = {"approval": approval_id, "approval_digest": row.digest, "request_digest": view.digest}
-            if len(approved_by) >= view.approvals_required:
-                w.conn.execute(approvals.update().where(approvals.c.id == approval_id).values(
-                    status="approved", approved_by=approved_by, decided_by=who, reason=decision.reason))
-                w.append("approval", {**base, **ids, "approved_by": approved_by, **lapsed,
-                                      "approver_chains": {a: chains[a] for a in approved_by}}, adm.ids)
-            else:
-                w.conn.execute(approvals.update().where(approvals.c.id == approval_id).values(approved_by=approved_by))
-                w.append("approval-vote", {**base, **ids, "counted": True, "approved_by": approved_by,
-                                           "needed": view.approvals_required, **lapsed}, adm.ids)
-            return "counted"
+            return _count_vote(w, view, adm, who, base, decision, row.digest, lambda a: approver_chain(snap, authority, a, adm))
 
         if self.ledger._write(op) == "decided":
             raise ApprovalError(f"approval {approval_id} was decided meanwhile", 409)
         return self.view(approval_id)
-
-    @staticmethod
-    def _approver_chain(snap: Any, authority: Any, who: str, adm: Admission) -> list[Grant] | None:
-        """The chain of a grant `who` holds with can_approve that covers this run, or None."""
-        for grant in snap.grants_of(authority, who):
-            if not grant.can_approve:
-                continue
-            try:
-                chain = stages.chain_of(snap, authority, grant.id)
-            except ChainBroken:
-                continue
-            if grant.refusal(adm.facts.model_copy(update={"principal": who})) is None:
-                return chain
-        return None
-
-    def _authority(self, adm: Admission) -> tuple[Any, Any]:
-        """The current snapshot and the applied authority the run was admitted under (its current version)."""
-        snap = self.state.refresh()
-        name = adm.versions.get("authority", "").split(":", 1)[-1].rsplit("@", 1)[0]
-        authority = snap.config("authority", name)
-        if authority is None:
-            raise ApprovalError("the authority this run was admitted under is no longer applied", 409)
-        return snap, authority
-
-    def _identify(self, view: ApprovalView, adm: Admission, authority: Any, decision: ApprovalDecision,
-                  caller: Credential | LinkHolder | None, signed: str) -> tuple[str, str]:
-        """Who answered, proved: by an approver's credential, or by a signature over `signed` (this request's
-        digest, or the batch digest of the requests answered together)."""
-        if isinstance(caller, LinkHolder):
-            if view.require_signature:
-                raise ApprovalError(f"rule {view.rule!r} counts only signed approvals: "
-                                    f"aisched approve {view.id} --key KEY", 403)
-            if caller.approval_id != view.id:
-                raise ApprovalError("this link was made for another request", 403)
-            who, channel = caller.principal, "link"
-        elif decision.signature:
-            who = decision.approver.strip()
-            key = authority.model.approver_keys.get(who)
-            if key is None:
-                raise ApprovalError(f"{who!r} signed, but has no key in the applied authority's approver_keys", 403)
-            if not signature_valid(key, signed, decision):
-                raise ApprovalError(f"the signature of {who!r} does not match this request (digest {signed[:12]}...): "
-                                    "it was made for another request, or this one changed", 403)
-            channel = "signed"
-        else:
-            if caller is None or caller.role not in ("approver", "operator"):
-                raise ApprovalError("an answer needs an approver's credential or signature: a flow's credential "
-                                    "cannot approve", 403)
-            if caller.role == "approver" and caller.authority is not None and caller.authority != authority.name:
-                raise ApprovalError(f"the credential of {caller.principal!r} was issued for authority "
-                                    f"{caller.authority!r}; this run is under {authority.name!r}", 403)
-            if view.require_signature:
-                raise ApprovalError(f"rule {view.rule!r} counts only signed approvals: "
-                                    f"aisched approve {view.id} --key KEY", 403)
-            who, channel = caller.principal, "credential"
-        if who == adm.principal:
-            raise ApprovalError("the requester cannot approve its own run", 403)
-        return who, channel
-
-    def _decided_in_the_log(self, approval_id: str, view: ApprovalView) -> bool:
-        """The decision that allows an execution is a signed record in the chain, not a row's status."""
-        return _signed_approval(self.ledger.records_about(view.task_run_id), approval_id, self.state.trusted)
 
     def consume(self, approval_id: str) -> tuple[ApprovalView, Admission]:
         """The one execution an approval allows: approved -> consumed, once; anything else is refused."""
@@ -532,7 +352,7 @@ class ApprovalBook:
                                   "run the flow again to ask again")
         if view.status != "approved":
             raise ApprovalError(f"approval {approval_id} is {view.status}", 409)
-        if not self._decided_in_the_log(approval_id, view):
+        if not decided_in_the_log(self.ledger.records_about(view.task_run_id), approval_id, self.state.trusted):
             raise AdmissionDenied("approval", f"approval {approval_id} is marked approved, but the log holds no approval "
                                   "this control plane signed: its state was changed outside it",
                                   "an operator investigates the database; ask for the approval again")
@@ -545,85 +365,35 @@ class ApprovalBook:
         return view, admission
 
 
-def _signed_approval(records: list[Any], approval_id: str, trusted: list[bytes]) -> bool:
-    from aisched_prefect.evidence import record_signed
-
-    return any(r.kind == "approval" and r.payload.get("approval") == approval_id and r.payload.get("approved")
-               and (not trusted or record_signed(r, trusted)) for r in records)
-
-
-def budget_left(holds: list[Any], currency: str) -> str:
-    """What each budget the run holds against has left once this hold is counted."""
-    return ", ".join(f"{h.budget}: {h.remaining_after:.2f} {currency if h.unit == 'money' else h.unit}" for h in holds)
-
-
-def gpus_in_words(request: dict[str, Any]) -> str:
-    """What a run asks for, as a person reads it: '2 H100 GPUs, each with at least 40 GB', 'half of one GPU'.
-
-    >>> gpus_in_words({"gpus": 2, "gpu_type": "H100", "gpu_memory_gb": 40})
-    '2 H100 GPUs, each with at least 40 GB'
-    >>> gpus_in_words({"gpus": 0.5, "gpu_type": ["A10", "L4"]})
-    'half of one A10 or L4 GPU'
-    >>> gpus_in_words({"gpus": 1})
-    '1 GPU of any type'
-    """
-    gpus = float(request.get("gpus") or 0)
-    if not gpus:
-        return "no GPU"
-    types = request.get("gpu_type")
-    names = " or ".join(types if isinstance(types, list) else [types]) if types else ""
-    memory = request.get("gpu_memory_gb")
-    if gpus < 1:
-        share = {0.5: "half", 0.25: "a quarter"}.get(gpus, f"{gpus:g}")
-        out = f"{share} of one {names + ' ' if names else ''}GPU" + (f" ({memory:g} GB reserved)" if memory else "")
+def _count_vote(w: Any, view: ApprovalView, adm: Admission, who: str, base: dict[str, Any],
+                decision: ApprovalDecision, approval_digest: str, chain_of: Any) -> str:
+    """Count the vote against the row as it is now (two answers at once, on any replica, both count)."""
+    cur = w.conn.execute(sa.select(approvals.c.status, approvals.c.approved_by)
+                         .where(approvals.c.id == view.id).with_for_update()).first()
+    if cur is None or cur.status != "pending":
+        return "decided"
+    earlier = list(cur.approved_by or [])
+    if who in earlier:
+        w.append("approval-vote", {**base, "counted": False, "approval": view.id,
+                                   "why": f"{who} already approved"}, adm.ids)
+        return "repeat"
+    # Earlier votes count while their approvers still hold the right to approve this run.
+    chains = {who: base["approver_chain"]}
+    for a in earlier:
+        c = chain_of(a)
+        if c is not None:
+            chains[a] = [g.id for g in c]
+    gone = [a for a in earlier if a not in chains]
+    lapsed = {"lapsed": gone} if gone else {}
+    approved_by = [a for a in earlier if a in chains] + [who]
+    ids = {"approval": view.id, "approval_digest": approval_digest, "request_digest": view.digest}
+    if len(approved_by) >= view.approvals_required:
+        w.conn.execute(approvals.update().where(approvals.c.id == view.id).values(
+            status="approved", approved_by=approved_by, decided_by=who, reason=decision.reason))
+        w.append("approval", {**base, **ids, "approved_by": approved_by, **lapsed,
+                              "approver_chains": {a: chains[a] for a in approved_by}}, adm.ids)
     else:
-        n = f"{gpus:g}"
-        out = f"{n} {names + ' ' if names else ''}GPU{'s' if gpus != 1 else ''}{'' if names else ' of any type'}"
-        if memory:
-            out += f", {'each ' if gpus > 1 else ''}with at least {memory:g} GB"
-    hosts = request.get("hosts")
-    return out + (f", on {hosts} hosts" if hosts and hosts > 1 else "")
-
-
-def duration_in_words(seconds: float) -> str:
-    """'1 h 5 min', '4 min 10 s', '12 s'."""
-    s = max(0, int(round(seconds)))
-    h, rest = divmod(s, 3600)
-    m, sec = divmod(rest, 60)
-    if h:
-        return f"{h} h {m} min" if m else f"{h} h"
-    if m:
-        return f"{m} min {sec} s" if sec else f"{m} min"
-    return f"{sec} s"
-
-
-def time_left(deadline: float, now: float | None = None) -> str:
-    """The deadline as a time, and how long until it: 'until 14:32:05 UTC (in 4 min 10 s)'."""
-    now = time.time() if now is None else now
-    at = datetime.fromtimestamp(deadline, timezone.utc)
-    when = at.strftime("%H:%M:%S UTC") if at.date() == datetime.fromtimestamp(now, timezone.utc).date() \
-        else at.strftime("%Y-%m-%d %H:%M:%S UTC")
-    return f"until {when} (in {duration_in_words(deadline - now)})"
-
-
-def describe(v: ApprovalView, left: str = "") -> str:
-    """The markdown a person reads before deciding (Prefect's pause form shows it; the page shows the same)."""
-    req = ", ".join(f"{k}={val}" for k, val in v.request.items() if val not in (None, 0, 0.0, False))
-    quorum = f"- approvals needed: {v.approvals_required} different approvers\n" if v.approvals_required > 1 else ""
-    signed = "- this rule counts only signed answers (`aisched approve --key`)\n" if v.require_signature else ""
-    what = v.request.get("kind", "") + (f" of {v.request['model']}" if v.request.get("model") else "")
-    runtime = f", about {duration_in_words(v.request['est_seconds'])}" if v.request.get("est_seconds") else ""
-    return (f"**Approve AI task `{v.task_name}`?** ({what}: {gpus_in_words(v.request)}{runtime})\n\n"
-            f"- principal: `{v.principal}`, grant chain `{' -> '.join(v.chain)}`\n"
-            f"- request: {req}\n"
-            f"- estimated cost: {v.est_cost:.4f} {v.currency}" + (f" (budget left after the hold: {left})" if left else "")
-            + f"\n- asked by rule: `{v.rule}`\n{quorum}{signed}"
-            f"- open {time_left(v.deadline)}: no answer by then denies the run\n"
-            f"- approval digest: `{v.digest[:16]}`\n\n"
-            f"**Answer on the control plane's page: [{v.url}]({v.url})** (open the one-time link you were sent, or "
-            f"sign in there as an approver), or `aisched approve {v.id[:SHORT_ID]}`. This Prefect form has nothing to "
-            "fill in. An answer typed into this Prefect form is not counted: Prefect cannot tell who typed it.")
-
-
-def to_json(view: ApprovalView) -> str:
-    return json.dumps(view.model_dump(mode="json"))
+        w.conn.execute(approvals.update().where(approvals.c.id == view.id).values(approved_by=approved_by))
+        w.append("approval-vote", {**base, **ids, "counted": True, "approved_by": approved_by,
+                                   "needed": view.approvals_required, **lapsed}, adm.ids)
+    return "counted"
