@@ -4,11 +4,10 @@ configuration reaches neither Dask nor Prefect)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from aisched_prefect.control import records
+from aisched_prefect.control.configuration import Configuration
 from aisched_prefect.control.service import ControlPlane, load_or_make_key
 from aisched_prefect.control.state import AuthorityState, block_body
 from aisched_prefect.errors import InvalidConfig
@@ -24,7 +23,7 @@ def plane(sqlite_url, tmp_path):
     p.signer = TicketSigner(load_or_make_key(tmp_path / "control.key"))
     p.ledger = Ledger(sqlite_url, signer=p.signer.sign)
     p.state = AuthorityState(p.ledger, trusted=[p.signer.public_key])
-    p.queue, p._weights_lock = False, threading.Lock()
+    p.configuration = Configuration(p.ledger, p.state, on_cluster_applied=lambda: None)  # no queue (--no-queue)
     yield p
     p.ledger.close()
 
@@ -50,10 +49,10 @@ def _kinds(plane) -> list[str]:
 ])
 def test_a_refused_name_records_nothing_and_blocks_nothing(plane, name, rule):
     with pytest.raises(InvalidConfig, match=f"budget name=.*{rule}.*Fix: name the budget block like a Prefect block"):
-        plane.apply("operator", "budget", name, budget())
+        plane.configuration.apply("operator", "budget", name, budget())
     assert _kinds(plane) == [] and plane.state.refresh().configs == {}
     for kind, body in (("budget", budget()), ("authority", authority())):  # the applies after it go through
-        plane.apply("operator", kind, "team-a", body)
+        plane.configuration.apply("operator", kind, "team-a", body)
     assert {k for k, _ in plane.state.refresh().configs} == {"budget", "authority"}
     assert [x["budget"] for x in plane.ledger.limits()] == ["team-a"]
 
@@ -62,7 +61,7 @@ def test_a_budget_whose_accounts_cannot_be_booked_records_nothing(plane):
     """The name fits, but an account (<budget>/<limit>) would be longer than the books hold: refused whole."""
     long = BudgetLimit(name="l" * 190, amount=10.0)
     with pytest.raises(InvalidConfig, match="the ledger cannot book its accounts.*Fix: shorten"):
-        plane.apply("operator", "budget", "team-a-" + "x" * 20, budget(100.0, long))
+        plane.configuration.apply("operator", "budget", "team-a-" + "x" * 20, budget(100.0, long))
     assert _kinds(plane) == [] and plane.ledger.limits() == []
 
 
@@ -72,9 +71,9 @@ def test_a_bad_record_already_in_the_log_does_not_poison_later_applies(plane):
     bad = "b" * 5000
     records.record(plane.ledger, records.ConfigApplied(config_kind="budget", name=bad, version=1, digest="0" * 64,
                                                        body=budget(), by="operator"), principal="operator")
-    plane.apply("operator", "budget", "team-a", budget(50.0))
-    plane.apply("operator", "authority", "team-a", authority())
-    plane.apply("operator", "budget", "team-a", budget(40.0))  # a cut, applied
+    plane.configuration.apply("operator", "budget", "team-a", budget(50.0))
+    plane.configuration.apply("operator", "authority", "team-a", authority())
+    plane.configuration.apply("operator", "budget", "team-a", budget(40.0))  # a cut, applied
     assert _kinds(plane).count("config-applied") == 4
     assert [(x["budget"], x["limit"]) for x in plane.ledger.limits()] == [("team-a", 40.0)]
     assert plane.ledger.verify().ok

@@ -153,10 +153,13 @@ def test_a_database_failure_leaves_the_plane_as_a_503_with_its_cause():
 
     from aisched_prefect.control.app import build_app
 
-    class Plane:  # only what the route reaches: the credential check, which reads the log, and the database is gone
+    class Credentials:  # all the route reaches: the credential check, which reads the log; the database is gone
         def authenticate(self, *_):
             raise sa.exc.OperationalError("SELECT", {}, psycopg.OperationalError(
                 "terminating connection due to administrator command"))
+
+    class Plane:
+        credentials = Credentials()
 
     with TestClient(build_app(Plane()), raise_server_exceptions=False) as client:
         resp = client.get("/v1/whoami", headers={"authorization": "Bearer x"})
@@ -171,9 +174,12 @@ def test_a_database_refusal_that_is_not_an_outage_still_names_its_cause():
 
     from aisched_prefect.control.app import build_app
 
-    class Plane:
+    class Credentials:
         def authenticate(self, *_):
             raise psycopg.errors.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+
+    class Plane:
+        credentials = Credentials()
 
     with TestClient(build_app(Plane()), raise_server_exceptions=False) as client:
         resp = client.get("/v1/whoami", headers={"authorization": "Bearer x"})

@@ -16,13 +16,16 @@ from aisched_prefect.settings import Settings
 LIMIT = 64 * 1024
 
 
+class _Credentials:
+    def authenticate(self, *_):
+        return new_credential(principal="team-a/x", tenant="team-a", role="flow", created_by="op")[1]
+
+
 class Plane:
     """What the HTTP app reaches before it reads a call's body: the settings and the credential check."""
 
     settings = Settings(max_call_bytes=LIMIT, max_request_bytes=4096)
-
-    def authenticate(self, *_):
-        return new_credential(principal="team-a/x", tenant="team-a", role="flow", created_by="op")[1]
+    credentials = _Credentials()
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,7 @@ def test_one_credential_may_keep_only_so_many_requests_open(sqlite_url, tmp_path
     """The check admission runs before it holds anything for a new request: open requests of this credential
     count (answered, expired, or another credential's do not)."""
     from aisched_prefect.control.approvals import ApprovalBook, approvals
+    from aisched_prefect.control.credentials import Credentials
     from aisched_prefect.control.service import ControlPlane
     from aisched_prefect.control.state import AuthorityState
     from aisched_prefect.ledger import Ledger
@@ -73,7 +77,9 @@ def test_one_credential_may_keep_only_so_many_requests_open(sqlite_url, tmp_path
     plane = ControlPlane.__new__(ControlPlane)
     plane.settings = Settings(max_open_approvals=3)
     plane.ledger = Ledger(sqlite_url)
-    ApprovalBook(plane.ledger, AuthorityState(plane.ledger))  # its table
+    state = AuthorityState(plane.ledger)
+    ApprovalBook(plane.ledger, state)  # its table
+    plane.credentials = Credentials(plane.ledger, state, plane.settings)
     me = new_credential(principal="team-a/x", tenant="team-a", role="flow", created_by="op")[1]
     other = new_credential(principal="team-a/x", tenant="team-a", role="flow", created_by="op")[1]
 
@@ -91,11 +97,11 @@ def test_one_credential_may_keep_only_so_many_requests_open(sqlite_url, tmp_path
         ask(me, deadline=time.time() - 1)  # expired, not yet swept
         for _ in range(5):
             ask(other)
-        plane._check_open_approvals(me)  # 2 of 3 open: one more may be asked
+        plane.credentials.check_open_approvals(me)  # 2 of 3 open: one more may be asked
         ask(me)
         with pytest.raises(TooManyOpenApprovals, match=r"already has 3 requests waiting.*"
                                                        r"AISCHED_MAX_OPEN_APPROVALS=3.*Fix: answer or let expire") as info:
-            plane._check_open_approvals(me)
+            plane.credentials.check_open_approvals(me)
         assert info.value.status == 429
     finally:
         plane.ledger.close()

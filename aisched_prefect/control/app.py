@@ -1,4 +1,4 @@
-"""The control plane's HTTP API (FastAPI, which Prefect already ships): a thin shell over `ControlPlane`.
+"""The control plane's HTTP API (FastAPI, which Prefect already ships): a thin shell over `ControlPlane`'s parts.
 
 Every route authenticates first (`Authorization: Bearer <token>`); what a
 caller may do follows from the role its credential proves (flow, approver,
@@ -7,12 +7,10 @@ operator). Errors come back as `Problem` JSON naming what was wrong and the fix.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import html
 import json
-import os
 import time
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -24,10 +22,12 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from pydantic import BaseModel
 
 from aisched_prefect.approvals import ApprovalDecision
+from aisched_prefect.control.approval_page import SECURITY_HEADERS, approval_page, sign_in_page
 from aisched_prefect.control.approval_proof import ApprovalError, LinkHolder
-from aisched_prefect.control.approval_words import budget_left, duration_in_words, gpus_in_words, time_left
+from aisched_prefect.control.approval_words import budget_left
+from aisched_prefect.control.credentials import Unauthorized
 from aisched_prefect.control.identity import Credential
-from aisched_prefect.control.service import ControlPlane, Unauthorized
+from aisched_prefect.control.service import ControlPlane
 from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable, RequestTooLarge
 from aisched_prefect.ledger.engine import database_errors, described, retryable
 from aisched_prefect.settings import Settings
@@ -288,7 +288,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
     @app.get("/v1/health")
     async def health() -> JSONResponse:
         """Alive, and whether the Dask scheduler answers: 503 naming the lost scheduler while it does not."""
-        scheduler = plane.scheduler_state()
+        scheduler = plane.scheduler.status()
         body = {"ok": scheduler["connected"], "public_key": plane.public_key, "replica": plane.replica,
                 "dask": scheduler["address"], "scheduler": scheduler, "version": plane.version}
         if not scheduler["connected"]:
@@ -300,38 +300,36 @@ def build_app(plane: ControlPlane) -> FastAPI:
     @app.get("/v1/cluster")
     async def cluster(request: Request) -> dict[str, Any]:
         """The cluster as the control plane sees it: workers, devices, which run holds what (operators)."""
-        plane.authenticate(_token(request), "operator")
-        return await run(plane.cluster_view)
+        plane.credentials.authenticate(_token(request), "operator")
+        return await run(plane.scheduler.cluster_view)
 
     @app.get("/v1/queue")
     async def queue(request: Request) -> Any:
         """The cluster's queue (runs on GPUs, then waiting runs in serving order), or null without one (operators)."""
-        plane.authenticate(_token(request), "operator")
-        if not plane.queue:  # `aisched serve --no-queue`: runs go to Dask directly, whatever the scheduler carries
-            return None
-        return await run(lambda: plane.client.sync(plane.client.scheduler.gpu_queue_status, runs=True))
+        plane.credentials.authenticate(_token(request), "operator")
+        return await run(plane.scheduler.queue_view)
 
     @app.get("/v1/whoami")
     async def whoami(request: Request) -> dict[str, Any]:
-        return plane.authenticate(_token(request)).public()
+        return plane.credentials.authenticate(_token(request)).public()
 
     @app.post("/v1/calls")
     async def call(request: Request) -> Response:
-        cred = plane.authenticate(_token(request), "flow")
+        cred = plane.credentials.authenticate(_token(request), "flow")
         raw = await request.body()
         try:
             meta_bytes, blob = unframe(raw)
             meta = CallMeta.model_validate_json(meta_bytes)
         except ValueError as exc:
             raise InvalidAIRequest(f"malformed call: {exc}") from None
-        reply, out = await run(plane.call, cred, meta, blob)
+        reply, out = await run(plane.runs.call, cred, meta, blob)
         return Response(frame(reply.model_dump_json().encode(), out), media_type=FRAME)
 
     @app.post("/v1/runs")
     async def runs(request: Request) -> dict[str, Any]:
         """Many calls in one request (a `.map()`): each is admitted and started; the answer comes at once (accepted,
         or how it ended at admission) and outcomes follow on `GET /v1/outcomes`. No thread waits for any of them."""
-        cred = plane.authenticate(_token(request), "flow")
+        cred = plane.credentials.authenticate(_token(request), "flow")
         raw = await request.body()
         try:
             head_bytes, blob = unframe(raw)
@@ -339,14 +337,14 @@ def build_app(plane: ControlPlane) -> FastAPI:
             calls = _split_runs(head, blob)
         except ValueError as exc:
             raise InvalidAIRequest(f"malformed runs request: {exc}") from None
-        replies = await run(plane.submit_many, cred, head.session, calls)
+        replies = await run(plane.runs.submit_many, cred, head.session, calls)
         return {"replies": [r.model_dump(mode="json") for r in replies]}
 
     @app.get("/v1/outcomes")
     async def outcomes(request: Request, session: str, after: int = 0, wait: float = 0.0) -> Response:
         """The session's ended calls past `after` (which acknowledges those before it), waiting up to `wait` seconds
         for one: one long-poll per flow process, whatever number of runs it waits for."""
-        cred = plane.authenticate(_token(request), "flow")
+        cred = plane.credentials.authenticate(_token(request), "flow")
         if not plane.outcomes.owns(session, f"{cred.authority}:{cred.principal}"):
             raise Unauthorized("this session belongs to another principal", 403)
         kept, pending = await plane.outcomes.take(session, f"{cred.authority}:{cred.principal}", after,
@@ -360,23 +358,23 @@ def build_app(plane: ControlPlane) -> FastAPI:
     async def result_lost(body: ResultLostIn, request: Request) -> dict[str, Any]:
         """A flow could not fetch a completed call's large result from its worker: one `result-lost` record says why
         (its settlement stays as it ran). Only the call's own caller may report it."""
-        cred = plane.authenticate(_token(request), "flow")
-        return await run(plane.result_lost, cred, body.key, body.reason)
+        cred = plane.credentials.authenticate(_token(request), "flow")
+        return await run(plane.runs.result_lost, cred, body.key, body.reason)
 
     @app.get("/v1/approvals")
     async def approvals(request: Request) -> list[dict[str, Any]]:
         """The open requests this caller may see: all (operators), or those an approver may approve."""
-        cred = plane.authenticate(_token(request), "approver", "operator")
+        cred = plane.credentials.authenticate(_token(request), "approver", "operator")
         return [v.model_dump(mode="json") for v in await run(plane.approvals.pending)
                 if cred.role == "operator" or await run(plane.approvals.may_see, v.id, cred)]
 
     @app.get("/v1/approvals/{approval_id}")
     async def approval(approval_id: str, request: Request, wait: float = 0.0) -> dict[str, Any]:
-        cred = plane.authenticate(_token(request))
+        cred = plane.credentials.authenticate(_token(request))
         approval_id = await run(plane.approvals.resolve, approval_id)
         if cred.role == "approver" and not await run(plane.approvals.may_see, approval_id, cred):
             raise Unauthorized("this approver may not approve this run (no grant with can_approve covers it)", 403)
-        return (await run(plane.approval, cred, approval_id, wait)).model_dump(mode="json")
+        return (await run(plane.desk.approval, cred, approval_id, wait)).model_dump(mode="json")
 
     @app.get("/v1/approvals/{approval_id}/digest")
     async def approval_digest(approval_id: str) -> dict[str, str]:
@@ -388,30 +386,30 @@ def build_app(plane: ControlPlane) -> FastAPI:
     @app.post("/v1/approvals/{approval_id}/links")
     async def approval_link(approval_id: str, body: LinkIn, request: Request) -> dict[str, str]:
         """A one-time link for one approver and this request (operators: to hand it over themselves)."""
-        plane.authenticate(_token(request), "operator")
+        plane.credentials.authenticate(_token(request), "operator")
         approval_id = await run(plane.approvals.resolve, approval_id)
         return {"approver": body.approver, "url": await run(plane.approvals.make_link, approval_id, body.approver)}
 
     @app.post("/v1/approvals/{approval_id}/answer")
     async def answer(approval_id: str, body: AnswerIn, request: Request) -> dict[str, Any]:
         token = _token(request)
-        caller = plane.authenticate(token) if token else None
+        caller = plane.credentials.authenticate(token) if token else None
         approval_id = await run(plane.approvals.resolve, approval_id)
         decision = ApprovalDecision(approved=body.approve, approver=body.approver, reason=body.reason,
                                     channel="signed" if body.signature else "credential", signature=body.signature,
                                     signed_at=body.signed_at)
-        return (await run(plane.answer, caller, approval_id, decision, body.items)).model_dump(mode="json")
+        return (await run(plane.desk.answer, caller, approval_id, decision, body.items)).model_dump(mode="json")
 
     @app.post("/v1/approvals/{approval_id}/suspend")
     async def suspend(approval_id: str, request: Request) -> dict[str, Any]:
-        cred = plane.authenticate(_token(request), "flow")
-        await run(plane.approval, cred, approval_id)
+        cred = plane.credentials.authenticate(_token(request), "flow")
+        await run(plane.desk.approval, cred, approval_id)
         return (await run(plane.approvals.suspend, approval_id)).model_dump(mode="json")
 
     @app.post("/v1/approvals/{approval_id}/unverified")
     async def unverified(approval_id: str, said: dict[str, Any], request: Request) -> dict[str, str]:
-        cred = plane.authenticate(_token(request), "flow")
-        await run(plane.approval, cred, approval_id)
+        cred = plane.credentials.authenticate(_token(request), "flow")
+        await run(plane.desk.approval, cred, approval_id)
         await run(plane.approvals.unverified, approval_id, said)
         return {"recorded": "not counted"}
 
@@ -432,7 +430,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
         token = form.get("token") or _token(request)
         if token:
             try:
-                return plane.authenticate(token)
+                return plane.credentials.authenticate(token)
             except Unauthorized:
                 return None
         return sessions.credential(request.cookies.get(SESSION_COOKIE, ""))
@@ -451,8 +449,8 @@ def build_app(plane: ControlPlane) -> FastAPI:
         approval_id = await run(plane.approvals.resolve, approval_id)
         viewer = await run(_visible, request, approval_id)
         if viewer is None:
-            return HTMLResponse(_sign_in(approval_id), status_code=401)
-        return HTMLResponse(_page(*await run(_shown, approval_id), viewer=_who_sees(viewer),
+            return HTMLResponse(sign_in_page(approval_id), status_code=401)
+        return HTMLResponse(approval_page(*await run(_shown, approval_id), viewer=_who_sees(viewer),
                                   link=request.query_params.get("link", "") if isinstance(viewer, LinkHolder) else ""))
 
     @app.post("/approve/{approval_id}/sign-in", response_class=HTMLResponse)
@@ -461,9 +459,9 @@ def build_app(plane: ControlPlane) -> FastAPI:
         SameSite=Lax, 8 hours, bound to this control plane's key); the credential is never shown or stored."""
         form = _form(await request.body())[0]
         try:
-            cred = await run(plane.authenticate, form.get("token", ""), "approver", "operator")
+            cred = await run(plane.credentials.authenticate, form.get("token", ""), "approver", "operator")
         except Unauthorized as exc:
-            return HTMLResponse(_sign_in(approval_id, f"Not signed in: {exc}"), status_code=401)
+            return HTMLResponse(sign_in_page(approval_id, f"Not signed in: {exc}"), status_code=401)
         response = Response(status_code=303, headers={"location": f"/approve/{quote(approval_id, safe='')}"})
         response.set_cookie(SESSION_COOKIE, sessions.make(cred.id), max_age=int(SESSION_SECONDS), httponly=True,
                             samesite="lax", path="/approve",
@@ -482,8 +480,8 @@ def build_app(plane: ControlPlane) -> FastAPI:
             if isinstance(who, Credential):  # proved, but may not see it: why, and nothing of the run
                 why = await run(plane.approvals.why_not, approval_id, who, ApprovalDecision(
                     approved=decision == "approve", approver=who.principal, reason=reason, channel="credential"))
-                return HTMLResponse(_sign_in(approval_id, f"Not counted: {why}"))
-            return HTMLResponse(_sign_in(approval_id, "Not counted: sign in, or open the link you were sent"), 401)
+                return HTMLResponse(sign_in_page(approval_id, f"Not counted: {why}"))
+            return HTMLResponse(sign_in_page(approval_id, "Not counted: sign in, or open the link you were sent"), 401)
         items = [i for i in lists.get("item", []) if i != approval_id]  # the others ticked: answered together
         link = form.get("link", "") if isinstance(viewer, LinkHolder) else ""
         try:
@@ -503,7 +501,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
                 if isinstance(viewer, LinkHolder):  # proved first, then spent, then counted: a refusal keeps the link
                     plane.approvals.check(approval_id, answer, viewer)
                     plane.approvals.links.use(viewer)
-                return plane.answer(viewer, approval_id, answer, items)  # type: ignore[arg-type]
+                return plane.desk.answer(viewer, approval_id, answer, items)  # type: ignore[arg-type]
 
             view = await run(counted)
             verb = "approved" if decision == "approve" else "rejected"
@@ -515,178 +513,60 @@ def build_app(plane: ControlPlane) -> FastAPI:
                 viewer, link = LinkHolder(viewer.principal, viewer.link_id, viewer.approval_id, True), ""
         except (Unauthorized, ApprovalError) as exc:
             message = f"Not counted: {html.escape(str(exc))}"
-        return HTMLResponse(_page(*await run(_shown, approval_id), message, viewer=_who_sees(viewer), link=link))
+        return HTMLResponse(approval_page(*await run(_shown, approval_id), message, viewer=_who_sees(viewer), link=link))
 
     @app.post("/v1/config/{kind}/{name}")
     async def apply(kind: str, name: str, body: dict[str, Any], request: Request) -> dict[str, Any]:
-        op = plane.authenticate(_token(request), "operator")
-        applied = await run(plane.apply, op.principal, kind, name, body)
+        op = plane.credentials.authenticate(_token(request), "operator")
+        applied = await run(plane.configuration.apply, op.principal, kind, name, body)
         return {"kind": applied.kind, "name": applied.name, "version": applied.version, "digest": applied.digest}
 
     @app.get("/v1/config")
     async def configs(request: Request) -> list[dict[str, Any]]:
-        plane.authenticate(_token(request), "operator")
+        plane.credentials.authenticate(_token(request), "operator")
         return [{"kind": a.kind, "name": a.name, "version": a.version, "digest": a.digest, "body": a.body}
                 for a in plane.state.refresh().configs.values()]
 
     @app.post("/v1/credentials")
     async def issue(body: IssueIn, request: Request) -> dict[str, Any]:
-        op = plane.authenticate(_token(request), "operator")
+        op = plane.credentials.authenticate(_token(request), "operator")
         tenant = body.tenant or body.principal.split("/")[0]
-        token, cred = await run(lambda: plane.issue(
+        token, cred = await run(lambda: plane.credentials.issue(
             op.principal, principal=body.principal, tenant=tenant, role=body.role,  # type: ignore[arg-type]
             authority=body.authority, budget=body.budget, policy=body.policy, cluster=body.cluster))
         return {"token": token, "credential": cred.public()}
 
     @app.post("/v1/credentials/{credential_id}/revoke")
     async def revoke_credential(credential_id: str, request: Request) -> dict[str, str]:
-        op = plane.authenticate(_token(request), "operator")
-        await run(plane.revoke_credential, op.principal, credential_id)
+        op = plane.credentials.authenticate(_token(request), "operator")
+        await run(plane.credentials.revoke, op.principal, credential_id)
         return {"revoked": credential_id}
 
     @app.post("/v1/grants/{parent}/delegate")
     async def delegate(parent: str, body: DelegateIn, request: Request) -> dict[str, Any]:
-        caller = plane.authenticate(_token(request))
-        child = await run(lambda: plane.delegate(caller, parent, id=body.id, principal=body.principal,
-                                                 authority=body.authority, **body.dimensions))
+        caller = plane.credentials.authenticate(_token(request))
+        child = await run(lambda: plane.grants.delegate(caller, parent, id=body.id, principal=body.principal,
+                                                        authority=body.authority, **body.dimensions))
         return child.model_dump(mode="json")
 
     @app.post("/v1/grants/{grant_id}/revoke")
     async def revoke(grant_id: str, body: RevokeIn, request: Request) -> dict[str, Any]:
-        caller = plane.authenticate(_token(request))
-        return {"revoked": await run(plane.revoke, caller, grant_id, body.reason, body.authority)}
+        caller = plane.credentials.authenticate(_token(request))
+        return {"revoked": await run(plane.grants.revoke, caller, grant_id, body.reason, body.authority)}
 
     @app.get("/v1/flow-runs/{flow_run_id}/records")
     async def records(flow_run_id: str, request: Request) -> list[dict[str, Any]]:
-        caller = plane.authenticate(_token(request))
-        return [json.loads(r.model_dump_json()) for r in await run(plane.flow_run_records, caller, flow_run_id)]
+        caller = plane.credentials.authenticate(_token(request))
+        return [json.loads(r.model_dump_json()) for r in await run(plane.reports.flow_run_records, caller, flow_run_id)]
 
     @app.post("/v1/flow-runs/{flow_run_id}/usage-artifacts")
     async def usage_artifacts(flow_run_id: str, request: Request) -> dict[str, Any]:
-        caller = plane.authenticate(_token(request), "flow", "operator")
-        return await run(plane.publish_usage, caller, flow_run_id)
+        caller = plane.credentials.authenticate(_token(request), "flow", "operator")
+        return await run(plane.reports.publish_usage, caller, flow_run_id)
 
     @app.post("/v1/checkpoints")
     async def checkpoint(request: Request) -> dict[str, Any]:
-        plane.authenticate(_token(request), "operator")
-        return await run(plane.checkpoint)
+        plane.credentials.authenticate(_token(request), "operator")
+        return await run(plane.reports.checkpoint)
 
     return app
-
-
-_STYLE = ("body{font:15px/1.45 system-ui,sans-serif;max-width:46rem;margin:2rem auto;padding:0 1rem;color:#1d2430}"
-          "h1{font-size:1.45rem}h2{font-size:1.1rem}table{border-collapse:collapse;width:100%;margin:1rem 0}"
-          "th,td{text-align:left;padding:.35rem .6rem;border-bottom:1px solid #e3e6ea;vertical-align:top}"
-          "th{width:13rem;white-space:nowrap;color:#5b6573;font-weight:600}td code,.digest{font-family:ui-monospace,monospace;font-size:.85rem;"
-          "word-break:break-all}form{background:#f5f7f9;border:1px solid #e3e6ea;border-radius:8px;padding:1rem}"
-          "label{display:block;margin:.2rem 0 .8rem;font-weight:600}"
-          "input[type=password],input[type=text]{display:block;width:100%;box-sizing:border-box;padding:.45rem;"
-          "margin-top:.25rem;font:inherit;border:1px solid #c5ccd4;border-radius:6px}"
-          "button{font:inherit;padding:.45rem 1.2rem;border-radius:6px;border:1px solid #c5ccd4;margin-right:.5rem;"
-          "cursor:pointer}button[value=approve]{background:#1f6feb;border-color:#1f6feb;color:#fff}"
-          ".message{padding:.6rem .8rem;border-radius:6px;background:#eef6ee;border:1px solid #b7dbb9}"
-          ".batch th{width:auto}.message.refused{background:#fbeeee;border-color:#e8b4b4}.status{font-weight:600}.note{color:#5b6573;font-size:.9rem}")
-
-
-_STYLE += (".who{color:#5b6573;margin:.2rem 0 1rem}.signin{max-width:28rem}a{color:#1f6feb}"
-           ".left{font-weight:600}")
-_STYLE_HASH = base64.b64encode(hashlib.sha256(_STYLE.encode()).digest()).decode()
-SECURITY_HEADERS = {
-    # No script, no frame, no foreign resource: the pages are static HTML and one inline style (by its hash).
-    "content-security-policy": f"default-src 'none'; style-src 'sha256-{_STYLE_HASH}'; form-action 'self'; "
-                               "frame-ancestors 'none'; base-uri 'none'",
-    "x-frame-options": "DENY",
-    "referrer-policy": "no-referrer",  # a page's one-time link never leaves in a Referer
-    "x-content-type-options": "nosniff",
-    "cache-control": "no-store",
-}
-
-
-def _request(view: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in view["request"].items() if v not in (None, 0, 0.0, False))
-
-
-def prefect_ui() -> str | None:
-    """The Prefect UI's address, where the control plane knows it (PREFECT_UI_URL, else PREFECT_API_URL less /api)."""
-    ui = os.environ.get("PREFECT_UI_URL") or ""
-    if not ui and os.environ.get("PREFECT_API_URL"):
-        ui = os.environ["PREFECT_API_URL"].rstrip("/").removesuffix("/api")
-    return ui.rstrip("/") or None
-
-
-def _doc(title: str, body: str) -> str:
-    return (f'<!doctype html><html><head><meta charset="utf-8"><meta name="referrer" content="no-referrer">'
-            f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>{body}</body></html>")
-
-
-def _sign_in(approval_id: str, message: str = "") -> str:
-    """What a visitor without a link or credential sees: nothing of the request, a sign-in form."""
-    note = f'<p class="message refused">{html.escape(message)}</p>' if message else ""
-    return _doc("Approval request", (
-        f"<h1>Approval request</h1>{note}<p>Open the link you were sent for this request, or sign in as an approver "
-        "who may approve it. Nothing about the run is shown before that.</p>"
-        f'<form class="signin" method="post" action="/approve/{quote(approval_id, safe="")}/sign-in">'
-        '<label>Approver credential <input type="password" name="token" autocomplete="current-password" required>'
-        '</label><button type="submit">Sign in</button></form>'))
-
-
-def _page(view: dict[str, Any], left: str = "", others: list[dict[str, Any]] | None = None, message: str = "", *,
-          viewer: tuple[str, str] = ("", ""), link: str = "") -> str:
-    """The approval page, for a viewer who may see it: what is asked in words, and (while it is open) a form whose
-    link or sign-in proves who answers."""
-    esc = html.escape
-    how, who = viewer
-    req = view["request"]
-    open_ = view["status"] in ("pending", "suspended")
-    ui = prefect_ui()
-    flow_run = (f'<a href="{esc(ui)}/runs/flow-run/{esc(view["flow_run_id"])}" target="_blank" rel="noreferrer">'
-                f'{esc(view["flow_run_id"])}</a> (in the Prefect UI)' if ui else esc(view["flow_run_id"]))
-    what = req.get("kind", "") + (f" of {req['model']}" if req.get("model") else "")
-    runtime = duration_in_words(req["est_seconds"]) if req.get("est_seconds") else ""
-    params = view.get("parameters") or {}
-    shown_params = ", ".join(f"{k}={v}" for k, v in params.items()) if params else "(none given)"
-    rows = [("task", esc(view["task_name"]) + (f" ({esc(what)})" if what else "")), ("flow run", flow_run),
-            ("parameters", esc(shown_params) + ' <span class="note">as the flow describes them; the approval binds '
-             "the exact arguments by digest</span>"),
-            ("GPUs", esc(gpus_in_words(req))), ("expected runtime", esc(runtime or "-")),
-            ("estimated cost", esc(f"{view['est_cost']:.4f} {view['currency']}")),
-            ("budget left after the hold", esc(left or "-")), ("principal", esc(view["principal"])),
-            ("grant chain", esc(" -> ".join(view["chain"]))), ("request", esc(_request(view))),
-            ("rule", esc(str(view["rule"]))),
-            ("approvals needed", esc((f"{view['approvals_required']} different approvers" if view["approvals_required"] > 1
-                                      else "1") + (", signed only" if view["require_signature"] else ""))),
-            ("approved by", esc(", ".join(view["approved_by"]) or "nobody yet"))]
-    status = f'<span class="status">{esc(view["status"])}</span>'
-    if open_:
-        status += f' <span class="left">{esc(time_left(view["deadline"]))}</span>: silence denies'
-    rows.append(("status", status))
-    rows.append(("digest", f'<span class="digest">{esc(view["digest"])}</span>'))  # `aisched approve --key` signs it
-    table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
-    batch = ""
-    if open_ and others and how in ("approver", "operator"):  # a .map() asks once: answered together if ticked
-        total = view["est_cost"] + sum(o["est_cost"] for o in others)
-        items = "".join(
-            f'<tr><td><input type="checkbox" name="item" value="{esc(o["id"])}" checked></td><td>{esc(o["id"][:8])}</td>'
-            f'<td>{esc(o["task_name"])}</td><td>{esc(gpus_in_words(o["request"]))}</td>'
-            f'<td>{o["est_cost"]:.4f} {esc(o["currency"])}</td></tr>' for o in others)
-        batch = (f"<h2>Also waiting in this flow run</h2><p>Ticked runs are answered with this one "
-                 f"({1 + len(others)} runs, {total:.4f} {esc(view['currency'])} together).</p>"
-                 f'<table class="batch"><tr><th></th><th>id</th><th>task</th><th>GPUs</th><th>cost</th></tr>'
-                 f"{items}</table>")
-    answerable = open_ and how in ("link", "approver", "operator")
-    proof = {"link": f"this link was made for {esc(who)} and answers this request once",
-             "used-link": f"this link was made for {esc(who)}; it was used",
-             "approver": f"signed in as {esc(who)}", "operator": f"signed in as {esc(who)} (operator)",
-             "flow": f"the requesting flow's credential ({esc(who)}): it cannot approve"}.get(how, "")
-    form = "" if not answerable else (
-        f'<form method="post">{batch}'
-        + (f'<input type="hidden" name="link" value="{esc(link)}">' if link else "")
-        + '<label>Reason <input type="text" name="reason"></label>'
-        '<button name="decision" value="approve" type="submit">Approve</button>'
-        '<button name="decision" value="reject" type="submit">Reject</button>'
-        f'<p class="note">Your answer is recorded as {esc(who)}, as the control plane identified you. The requester '
-        "cannot approve its own run, and only approvers whose grants cover this run are counted.</p></form>")
-    note = (f'<p class="message{" refused" if message.startswith("Not counted") else ""}">{message}</p>'
-            if message else "")
-    return _doc(f"Approve {view['task_name']}", f"<h1>Approve AI task {esc(view['task_name'])}?</h1>"
-                f'<p class="who">{proof}</p>{note}<table>{table}</table>{form}')

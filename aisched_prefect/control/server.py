@@ -58,7 +58,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
             info["token"] = _bootstrap_embedded(plane, embedded)
         else:
             token_file = config.home / "operator.token"
-            if plane.bootstrap_operator(token_file) is not None:
+            if plane.credentials.bootstrap_operator(token_file) is not None:
                 info["operator_token_file"] = str(token_file)
         grace = config.stop_seconds
         server = _uvicorn_server(uvicorn.Config(build_app(plane), log_level="warning", lifespan="off", timeout_keep_alive=30,
@@ -153,11 +153,11 @@ def _bootstrap_embedded(plane: Any, spec: dict[str, Any]) -> str:
         if item is None:
             names[kind] = None
             continue
-        plane.apply(by, kind, item["name"], item["body"])
+        plane.configuration.apply(by, kind, item["name"], item["body"])
         names[kind] = item["name"]
-    token, _ = plane.issue(by, principal=spec["principal"], tenant=spec["tenant"], role="flow",
-                           authority=names.get("authority"), budget=names.get("budget"),
-                           policy=names.get("policy"), cluster=names.get("cluster"))
+    token, _ = plane.credentials.issue(by, principal=spec["principal"], tenant=spec["tenant"], role="flow",
+                                       authority=names.get("authority"), budget=names.get("budget"),
+                                       policy=names.get("policy"), cluster=names.get("cluster"))
     return token
 
 
