@@ -32,9 +32,16 @@ from __future__ import annotations
 
 import sys
 
-from dask_gpu.worker_cli import take_option
+from dask_gpu.worker_cli import take_option, wants_help
 
 PRELOAD = "dask_gpu.scheduler_preload"
+SCHEDULER_OPTIONS = """\
+dask-gpu-scheduler's own options (before Dask's, which follow):
+  --tls-dir DIR                   mutual TLS with the cluster's own CA, written there on first start (or --no-tls)
+  --no-tls                        plain TCP, where everyone who can reach the scheduler is trusted
+  --dashboard                     serve Dask's dashboard and routes (loopback only); else /health only
+  --host / --dashboard-address    default 127.0.0.1 and 127.0.0.1:8787 (Dask's default is every interface)
+"""
 DASHBOARD = "127.0.0.1:8787"
 """Where the scheduler's HTTP server listens unless --dashboard-address says: it has no authentication."""
 ROUTES_KEY = "distributed.scheduler.http.routes"
@@ -108,6 +115,11 @@ def http_options(args: list[str], prog: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     prog = "dask-gpu-scheduler"
     args = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(args):  # the project's options first, then `dask scheduler`'s own
+        print(SCHEDULER_OPTIONS)
+        from distributed.cli.dask_scheduler import main as dask_scheduler
+
+        dask_scheduler.main(args=["--help"], prog_name=prog)
     tls_dir = take_option(args, "--tls-dir", prog, "/etc/aisched/tls")
     plain = "--no-tls" in args
     if plain:

@@ -128,9 +128,32 @@ def listen_defaults(args: list[str]) -> list[str]:
     return args
 
 
+WORKER_OPTIONS = """\
+dask-gpu-worker's own options (before Dask's, which follow):
+  --declared SPEC                 the GPUs to advertise where NVML finds none, e.g. '2 GPUs, 80 GB, H100'
+  --trust-key KEY                 a control plane's public key (`aisched serve --print-key`); repeatable
+  --tls-dir DIR                   ca.pem, cluster.pem, cluster.key (what `dask-gpu-scheduler --tls-dir` writes)
+  --isolation MODE                auto (default: isolated as root with bubblewrap) | isolated | unisolated | shared
+  --tenant NAME                   serve this tenant's bodies only (required where the worker does not isolate)
+  --body-uids FIRST-LAST          the UIDs isolated bodies run under (default 20000-20999)
+  --device-nodes DIR              where this host's nvidia* device nodes are (default /dev)
+  --tenant-path TENANT=PATH[:ro]  a host path TENANT's bodies may reach; once per tenant
+  --tenant-group TENANT=GID       the group TENANT's bodies run with (its shared storage's); once per tenant
+"""
+
+
+def wants_help(args: list[str]) -> bool:
+    return "--help" in args or "-h" in args
+
+
 def main(argv: list[str] | None = None) -> None:
     prog = "dask-gpu-worker"
     args = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(args):  # the project's options first, then `dask worker`'s own
+        print(WORKER_OPTIONS)
+        from distributed.cli.dask_worker import main as dask_worker
+
+        dask_worker.main(args=["--help"], prog_name=prog)
     declared = take_option(args, "--declared", prog, "'2 GPUs, 80 GB, H100'")
     if declared:
         try:
