@@ -96,3 +96,23 @@ def test_evidence_show_keeps_operators_records_apart_from_task_runs(sqlite_url):
     assert "credential-issued" not in tasks and "│ ?" not in tasks  # no operator record as a task row
     assert "flow credential c1 for team-a/nightly (tenant team-a; authority team-a)" in operators
     assert "budget 'team-a' applied: version 3 (abababababab)" in operators
+
+
+def test_evidence_show_limits_each_table_to_its_last_rows_and_says_so(sqlite_url):
+    from aisched_prefect.ledger import BudgetLine, Ledger
+
+    ledger = Ledger(sqlite_url)
+    for i in range(5):
+        holds, _ = ledger.reserve([BudgetLine(budget="team-a", period="2026-12", limit=50)], 1.0, kind="admission",
+                                  payload={"task": f"shard-{i}", "request": {"kind": "inference", "gpus": 1},
+                                           "grant": "root"}, flow_run_id="f", task_run_id=f"t{i}",
+                                  principal="team-a/batch")
+        ledger.settle([h.id for h in holds], 0.5, kind="settlement", task_run_id=f"t{i}", flow_run_id="f",
+                      principal="team-a/batch", payload={"task": f"shard-{i}", "outcome": "completed"})
+    out = runner.invoke(app, ["evidence", "show", "--ledger", sqlite_url, "--limit", "2"])
+    assert out.exit_code == 0, out.output
+    shown = [line for line in out.output.splitlines() if "│ shard-" in line]
+    assert len(shown) == 2 and "shard-3" in shown[0] and "shard-4" in shown[1], out.output
+    assert "AI task runs: the last 2 of 5 rows (--limit 0 shows all" in out.output
+    everything = runner.invoke(app, ["evidence", "show", "--ledger", sqlite_url, "--limit", "0"])
+    assert len([line for line in everything.output.splitlines() if "│ shard-" in line]) == 5

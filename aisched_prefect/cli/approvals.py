@@ -58,10 +58,12 @@ def approvals_list(as_json: bool = typer.Option(False, "--json"), control_plane:
         for r in rows:
             typer.echo(json.dumps(r, sort_keys=True))
         return
+    from aisched_prefect.control.approval_words import duration_in_words
+
     now = time.time()
     for r in rows:
         r["id"] = r["id"][:8]  # a unique prefix: approve and reject take it (--json shows whole ids)
-        r["left"] = f"{max(r['deadline'] - now, 0):.0f}s"
+        r["left"] = duration_in_words(r["deadline"] - now)  # '11 h 59 min', as the approval page says it
         r["approvals"] = f"{len(r['approved_by'])}/{r['approvals_required']}"
         r["cost"] = f"{r['est_cost']:.4f} {r['currency']}"
         r["digest"] = r["digest"][:16]

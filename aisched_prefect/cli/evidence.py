@@ -83,17 +83,25 @@ def _control_plane_key(url: Optional[str]) -> bytes:
 
 @evidence_app.command("show")
 def evidence_show(flow_run: Optional[str] = typer.Option(None, help="Only this flow run's task runs."),
+                  limit: int = typer.Option(200, "--limit", min=0,
+                                            help="Show the last N rows of each table (0: all of them)."),
                   ledger: Optional[str] = LedgerOpt) -> None:
     """One row per attempt of each AI task run (request, principal, grant, worker, reserved, charged, decision),
     then the operators' records apart: credentials, applied configuration, grants."""
     from aisched_prefect.report import MONEY_NOTE, evidence_rows, for_display, operator_rows
 
+    def last(rows: list, what: str) -> list:
+        if limit and len(rows) > limit:
+            console.print(f"{what}: the last {limit} of {len(rows)} rows (--limit 0 shows all, --flow-run ID one run)")
+            return rows[-limit:]
+        return rows
+
     records = common.Ledger(ledger).records(flow_run)
-    rows = [for_display(r) for r in evidence_rows(records)]
+    rows = last([for_display(r) for r in evidence_rows(records)], "AI task runs")
     console.print(common.table("AI task runs", rows, ["task", "attempt", "principal", "request", "grant", "worker", "devices",
                                                       "reserved", "charged", "decision"]))
     console.print(MONEY_NOTE)
-    operated = operator_rows(records) if flow_run is None else []
+    operated = last(operator_rows(records), "operators' records") if flow_run is None else []
     if operated:
         console.print(common.table("operators' records (credentials, configuration, grants)", operated,
                                    ["record", "kind", "by", "what"]))
