@@ -46,8 +46,8 @@ class AIRequest(BaseModel):
         "from its own checkpoint). Needs whole GPUs and the cluster's queue (on by default).")
     hosts: int | None = Field(
         default=None, ge=1, le=64, description="Spread whole GPUs over this many whole workers, one process per host "
-        "(a multi-host job: gpus=16, hosts=2 is 8 on each). None: one worker if one can hold it, else the fewest "
-        "whole workers that can.")
+        "(a multi-host job: gpus=16, hosts=2 is 8 on each). None: one worker; a request wider than every worker "
+        "is refused, naming the hosts= that would hold it (a body written for one process never runs twice).")
 
     keep_warm: float | None = Field(
         default=None, ge=0, le=86_400, allow_inf_nan=False,

@@ -24,9 +24,11 @@ class GPURequest(BaseModel):
     a tuple of acceptable types.
 
     `hosts` spreads whole devices over several whole workers (a multi-host job,
-    one process per host): `hosts=2, gpus=16` is 8 on each of two workers. None
-    (the default): one worker when one can hold it, else the fewest whole
-    workers that can (a *gang*, placed all at once or not at all).
+    one process per host, a *gang* placed all at once or not at all):
+    `hosts=2, gpus=16` is 8 on each of two workers. None (the default): one
+    worker, and a request wider than every worker is refused naming the
+    `hosts=` that would hold it (multi-host only when asked, as Slurm's
+    `--nodes` or Ray Train's `ScalingConfig`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -99,11 +101,10 @@ class GPURequest(BaseModel):
         """Could this worker alone ever hold the request (all devices free)?"""
         return (self.hosts or 1) == 1 and self.fitting(inventory) >= self.devices_needed
 
-    def gang(self, inventories: dict[str, WorkerInventory]) -> bool:
-        """Whether the request runs on several whole workers (explicit `hosts`, or wider than every worker)."""
-        if self.hosts is not None:
-            return self.hosts > 1
-        return self.gpus >= 1 and not any(self.fits(inv) for inv in inventories.values())
+    def gang(self, inventories: dict[str, WorkerInventory] | None = None) -> bool:
+        """Whether the request runs on several whole workers: only when it asks for them (`hosts` > 1). A request
+        wider than every worker without `hosts` is refused (a body written for one process must not run twice)."""
+        return (self.hosts or 1) > 1
 
     def member(self, gpus: int) -> GPURequest:
         """What one member of a gang holds on its worker: `gpus` whole devices of the same kind."""
@@ -156,22 +157,18 @@ def split(gpus: int, capacities: list[int]) -> list[int] | None:
 
 
 def gang_workers(request: GPURequest, inventories: dict[str, WorkerInventory]) -> list[str]:
-    """The workers that could be members of the gang `request` is; raise if there are not enough.
-
-    With `hosts=N` each member needs gpus/N fitting devices and N such workers
-    must exist; without, the workers with fitting devices must hold `gpus` together.
-    """
+    """The workers that could be members of the gang `request` is (`hosts=N`: each member needs gpus/N fitting
+    devices, and N such workers must exist); raise if there are not enough."""
     if request.fractional:
         raise InfeasibleRequest(f"request ({request.describe()}): a fraction of a GPU runs on one worker; hosts= "
                                 "needs whole GPUs")
-    need = int(request.gpus) // request.hosts if request.hosts else 1
+    hosts = request.hosts or 1
+    need = int(request.gpus) // hosts
     members = [w for w, inv in inventories.items() if request.fitting(inv) >= need]
-    total = sum(request.fitting(inventories[w]) for w in members)
-    if (len(members) >= request.hosts and request.hosts > 1) if request.hosts else total >= request.gpus:
+    if len(members) >= hosts > 1:
         return members
     have = ", ".join(f"{w}: {request.fitting(inv)}" for w, inv in inventories.items()) or "no workers"
-    wanted = (f"{request.hosts} workers with {need} fitting GPUs each" if request.hosts
-              else f"whole workers with {int(request.gpus)} fitting GPUs together")
+    wanted = f"{hosts} workers with {need} fitting GPUs each"
     addr, largest = _largest(inventories)
     raise InfeasibleRequest(
         f"request ({request.describe()}) fits no worker of the cluster, and no multi-host gang either: it needs "
@@ -184,17 +181,30 @@ def _largest(inventories: dict[str, WorkerInventory]) -> tuple[str, WorkerInvent
                key=lambda kv: (len(kv[1].devices), max((d.memory_gb for d in kv[1].devices), default=0)))
 
 
+def _hosts_that_would_hold(request: GPURequest, inventories: dict[str, WorkerInventory]) -> int | None:
+    """The fewest hosts over which `request`'s whole GPUs would spread evenly on workers of this cluster (None: none)."""
+    if request.fractional or request.gpus < 2:
+        return None
+    for hosts in range(2, int(request.gpus) + 1):
+        if int(request.gpus) % hosts == 0:
+            need = int(request.gpus) // hosts
+            if sum(1 for inv in inventories.values() if request.fitting(inv) >= need) >= hosts:
+                return hosts
+    return None
+
+
 def eligible_workers(request: GPURequest, inventories: dict[str, WorkerInventory]) -> list[str]:
     """Names of the workers that could hold `request` (a gang: that could be its members); raise if there are none.
 
     Plain Dask would leave such a task waiting forever in `no-worker`; here it
     fails at once, naming the largest worker so the fix is obvious. A request
-    wider than every worker (or with `hosts` > 1) is a gang over whole workers.
+    with `hosts` > 1 is a gang over whole workers; one wider than every worker
+    without it is refused, naming the `hosts=` that would hold it.
     """
     fits = [addr for addr, inv in inventories.items() if request.fits(inv)]
     if fits:
         return fits
-    if inventories and request.gang(inventories):
+    if inventories and request.gang():
         return gang_workers(request, inventories)
     if not inventories:
         raise InfeasibleRequest(
@@ -202,6 +212,14 @@ def eligible_workers(request: GPURequest, inventories: dict[str, WorkerInventory
             "start GPU workers (LocalGPUCluster, or `dask worker --preload dask_gpu.preload`)"
         )
     addr, largest = _largest(inventories)
+    hosts = _hosts_that_would_hold(request, inventories)
+    if hosts:  # it would fit as a gang, but it did not ask to run as several processes on several hosts
+        raise InfeasibleRequest(
+            f"request ({request.describe()}) is wider than every worker (the largest, {addr}, has "
+            f"{largest.describe()}), and it did not ask for several hosts: a task body written for one process "
+            f"would run as {hosts}. Fix: ask for hosts={hosts} (gpus={request.gpus:g}, hosts={hosts}: "
+            f"{int(request.gpus) // hosts} GPUs on each of {hosts} whole workers, one process per host, "
+            "torchrun's rendezvous in its environment) if the task is a multi-host job, or lower gpus")
     raise InfeasibleRequest(
         f"request ({request.describe()}) fits no worker of the cluster; the largest worker "
         f"{addr} has {largest.describe()} ({largest.source}). Lower gpus/gpu_memory_gb, change "

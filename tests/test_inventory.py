@@ -121,8 +121,15 @@ def test_eligible_workers_and_fail_fast_message():
     assert eligible_workers(GPURequest(gpus=1), invs) == ["w1", "w2"]
     assert eligible_workers(GPURequest(gpus=1, gpu_memory_gb=40), invs) == ["w1"]
     assert eligible_workers(GPURequest(gpus=1, gpu_type="a10"), invs) == ["w2"]
-    assert eligible_workers(GPURequest(gpus=3), invs) == ["w1", "w2"]  # wider than each: a gang of both
-    with pytest.raises(InfeasibleRequest, match=r"gpus=4.*no multi-host gang.*largest worker w1 has 2 x H100 80 GB"):
+    with pytest.raises(InfeasibleRequest, match=r"gpus=3.*largest worker w1 has 2 x H100 80 GB"):
+        eligible_workers(GPURequest(gpus=3), invs)  # wider than each: no hosts= spreads 3 evenly here
+    with pytest.raises(InfeasibleRequest, match=r"gpus=3, gpu_type='H100'.*largest worker w1 has 2 x H100"):
+        eligible_workers(GPURequest(gpus=3, gpu_type="H100"), invs)
+    two = {**invs, "w3": declared_worker_inventories("1 GPU, 24 GB, A10")[0]}
+    with pytest.raises(InfeasibleRequest, match=r"did not ask for several hosts.*Fix: ask for hosts=2 \(gpus=2, hosts=2"):
+        eligible_workers(GPURequest(gpus=2, gpu_type="A10"), two)  # two 1-GPU A10 workers: only as two processes
+    assert eligible_workers(GPURequest(gpus=2, gpu_type="A10", hosts=2), two) == ["w2", "w3"]
+    with pytest.raises(InfeasibleRequest, match=r"gpus=4.*fits no worker.*largest worker w1 has 2 x H100 80 GB"):
         eligible_workers(GPURequest(gpus=4), invs)
     with pytest.raises(InfeasibleRequest, match=r"gpus=3.*largest worker w1 has 2 x H100 80 GB"):
         eligible_workers(GPURequest(gpus=3, hosts=1), invs)

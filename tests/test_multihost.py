@@ -1,7 +1,8 @@
 """Multi-host jobs: one admission, whole workers all at once, one process per host meeting over TCP at MASTER_ADDR.
 
-The session cluster has two 2 x H100 workers and one A10 worker (separate processes): `gpus=4, gpu_type="H100"`
-is wider than every worker, so it runs on both H100 workers, two GPUs each.
+The session cluster has two 2 x H100 workers and one A10 worker (separate processes): `gpus=4, hosts=2,
+gpu_type="H100"` runs on both H100 workers, two GPUs each. Without `hosts` a request wider than every worker is
+refused, naming the `hosts=` that would hold it: a body written for one process never runs twice unasked.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def meet_over_tcp() -> list[dict]:
     return table
 
 
-@ai_task(gpus=4, gpu_type="H100", kind="training", est_seconds=30)
+@ai_task(gpus=4, hosts=2, gpu_type="H100", kind="training", est_seconds=30)
 def wide_training():
     return meet_over_tcp()
 
@@ -80,7 +81,7 @@ print(json.dumps({{"argv": sys.argv[1:], "cvd": os.environ["CUDA_VISIBLE_DEVICES
 """
 
 
-@ai_task(gpus=4, gpu_type="H100", kind="training", est_seconds=30)
+@ai_task(gpus=4, hosts=2, gpu_type="H100", kind="training", est_seconds=30)
 def torchrun_job(torchrun: str):
     """The docs' example: one torchrun per host, with the rendezvous the worker set (a stand-in torchrun here)."""
     import json
@@ -97,7 +98,7 @@ def flow_run_records(plane, flow_run_id):
     return [r for r in plane.records(flow_run_id)]
 
 
-def test_a_job_wider_than_every_worker_runs_on_two_workers_that_meet_over_tcp(control_plane):
+def test_a_two_host_job_runs_on_two_workers_that_meet_over_tcp(control_plane):
     t = tenant(control_plane)
 
     @flow(task_runner=t.runner())
@@ -153,7 +154,7 @@ def test_hosts_spreads_a_job_over_that_many_workers_and_torchrun_gets_its_argume
     assert seen["argv"][-3:] == ["train.py", "--epochs", "3"] and seen["cvd"] == "0,1"
 
 
-@ai_task(gpus=4, gpu_type="H100", kind="training", est_seconds=120)
+@ai_task(gpus=4, hosts=2, gpu_type="H100", kind="training", est_seconds=120)
 def one_member_fails():
     rank = int(os.environ["RANK"])
     if rank == 1:
@@ -189,7 +190,7 @@ def test_one_member_failing_stops_the_others_and_the_run_is_settled_once(control
     assert account["pending"] == 0
 
 
-def test_a_gang_that_cannot_fit_is_denied_at_once_naming_what_it_needs(control_plane):
+def test_a_gang_that_cannot_fit_or_was_not_asked_for_is_denied_at_once_naming_what_it_needs(control_plane):
     from aisched_prefect import AdmissionDenied
 
     @ai_task(gpus=6, gpu_type="H100", kind="training", est_seconds=30)
@@ -200,22 +201,27 @@ def test_a_gang_that_cannot_fit_is_denied_at_once_naming_what_it_needs(control_p
     def three_hosts():
         return 1
 
+    @ai_task(gpus=4, gpu_type="H100", kind="training", est_seconds=30)
+    def unasked():  # wider than every worker, written for one process: not run as two
+        return 1
+
     t = tenant(control_plane, authority_=__import__("tests.helpers", fromlist=["authority"]).authority(max_gpus=8))
 
     @flow(task_runner=t.runner())
     def f():
         out = []
-        for task in (too_wide, three_hosts):
+        for task in (too_wide, three_hosts, unasked):
             try:
                 task()
             except AdmissionDenied as exc:
                 out.append((exc.stage, str(exc)))
         return out
 
-    (s1, m1), (s2, m2) = f()
-    assert s1 == s2 == "feasibility"
-    assert "no multi-host gang" in m1 and "gpu-worker-" in m1
+    (s1, m1), (s2, m2), (s3, m3) = f()
+    assert s1 == s2 == s3 == "feasibility"
+    assert "fits no worker" in m1 and "gpu-worker-" in m1
     assert "it needs 3 workers with 1 fitting GPUs each" in m2
+    assert "did not ask for several hosts" in m3 and "Fix: ask for hosts=2 (gpus=4, hosts=2" in m3, m3
 
 
 def test_the_queue_places_a_fixed_width_gang_on_the_smallest_workers_that_hold_its_share():

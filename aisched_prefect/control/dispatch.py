@@ -119,11 +119,9 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots):
                 self.running.pop(key, None)
 
     def _is_gang(self, admission: Admission) -> bool:
-        req = admission.request.gpu_request()
-        if req.hosts is not None or req.gpus < 1:
-            return (req.hosts or 1) > 1
-        inventories = self.inventories()
-        return not any(req.fits(inventories[w]) for w in admission.workers if w in inventories)
+        """A multi-host run: only one that asked for several hosts (feasibility refused one wider than every worker
+        without `hosts`)."""
+        return admission.request.gpu_request().gang()
 
     def _submit(self, state: Running, body: Body, workers: list[str] | None, gpu_request: Any,
                 placement: Placement | None | str = "wait") -> tuple[Reply, bytes]:
