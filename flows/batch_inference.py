@@ -149,11 +149,13 @@ def batch_inference(shards: int = 8, gpu_fraction: float = 0.25, rows_per_shard:
 
 
 if __name__ == "__main__":
+    from flows.common import flow_args
     from flows.nightly import print_evidence
 
+    parameters = flow_args(batch_inference)  # e.g. --shards 300 --gpu-fraction 0.5 (--help lists them)
     logging.getLogger("distributed").setLevel(logging.WARNING)  # keep the output about the example
     ensure_example_blocks()
-    state = batch_inference(return_state=True)
+    state = batch_inference(**parameters, return_state=True)
     result = state.result()
     print(json.dumps({k: result[k] for k in ("shards", "rows", "mean_score", "devices")}, indent=2))
     print_evidence(str(state.state_details.flow_run_id))

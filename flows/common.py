@@ -141,3 +141,39 @@ def examples_home() -> Path:
 if __name__ == "__main__":
     saved = ensure_example_blocks()
     print(f"saved {', '.join(saved)} as {BLOCK_NAME!r}" if saved else f"the {BLOCK_NAME!r} blocks already exist")
+
+
+def flow_args(flow_obj: Any, argv: list[str] | None = None) -> dict[str, Any]:
+    """The flow's parameters from the command line, one option per parameter of its function, named as it is with
+    dashes: `python -m flows.batch_inference --shards 300 --gpu-fraction 0.5`; `--no-promote` for a bool that is
+    true by default; a list takes several values. What is not given keeps the flow's default.
+
+    >>> from prefect import flow
+    >>> @flow
+    ... def f(shards: int = 8, fraction: float = 0.25, promote: bool = True, names: list[str] | None = None): ...
+    >>> flow_args(f, ["--shards", "300", "--no-promote", "--names", "a", "b"])
+    {'shards': 300, 'promote': False, 'names': ['a', 'b']}
+    """
+    import argparse
+    import inspect
+    import typing
+
+    fn = flow_obj.fn
+    hints = typing.get_type_hints(fn)
+    cli = argparse.ArgumentParser(prog=f"python -m {fn.__module__}", description=(fn.__doc__ or "").split("\n")[0])
+    for name, param in inspect.signature(fn).parameters.items():
+        kind = hints.get(name, str)
+        args = typing.get_args(kind)
+        base = next((a for a in args if a is not type(None)), kind) if args and type(None) in args else kind
+        option = "--" + name.replace("_", "-")
+        shown = f"(default: {param.default!r})"
+        if base is bool:
+            cli.add_argument(option, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                             help=shown)
+        elif typing.get_origin(base) is list:
+            item = (typing.get_args(base) or (str,))[0]
+            cli.add_argument(option, dest=name, nargs="+", type=item, default=argparse.SUPPRESS, help=shown)
+        else:
+            cli.add_argument(option, dest=name, type=base if base in (int, float, str) else str,
+                             default=argparse.SUPPRESS, help=shown)
+    return vars(cli.parse_args(argv))

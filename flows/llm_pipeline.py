@@ -102,10 +102,12 @@ def llm_pipeline(prompts: list[str] | None = None, model: str = LLM_MODEL, max_o
 
 
 if __name__ == "__main__":
+    from flows.common import flow_args
     from flows.nightly import print_evidence
 
+    parameters = flow_args(llm_pipeline)  # e.g. --prompts "a question" "another" (--help lists them)
     logging.getLogger("distributed").setLevel(logging.WARNING)  # keep the output about the example
     ensure_example_blocks()
-    state = llm_pipeline(return_state=True)
+    state = llm_pipeline(**parameters, return_state=True)
     print(json.dumps({"summary": state.result()["summary"]["text"], "usage": state.result()["usage"]}, indent=2))
     print_evidence(str(state.state_details.flow_run_id))

@@ -148,15 +148,12 @@ def nightly_training(dataset: str = "synthetic-regression", epochs: int = 2, gpu
 
 
 if __name__ == "__main__":
-    import argparse
-
+    from flows.common import flow_args
     from flows.nightly import print_evidence
 
-    cli = argparse.ArgumentParser(description="Nightly training: prepare, train on 2 GPUs, evaluate, promote.")
-    cli.add_argument("--no-promote", action="store_true", help="leave out the promotion (and its approval)")
-    args = cli.parse_args()
+    parameters = flow_args(nightly_training)  # e.g. --epochs 5 --no-promote (--help lists them)
     logging.getLogger("distributed").setLevel(logging.WARNING)  # keep the output about the example
     ensure_example_blocks()
-    result = nightly_training(promote=not args.no_promote)
+    result = nightly_training(**parameters)
     print(json.dumps({k: result[k] for k in ("decision", "promoted")}, indent=2))
     print_evidence(result["flow_run_id"])

@@ -147,3 +147,21 @@ def test_example_blocks_are_consistent():
     assert any(g.can_approve and g.held_by(APPROVER, authority.groups) and "promotion" in g.kinds for g in authority.grants)
     assert authority.problems() == []  # an operator can apply it as written
     assert cluster.limit_for("example-llm") is not None and budget.token_price("example-llm") > 0
+
+
+def test_the_examples_take_their_parameters_from_the_command_line():
+    """`python -m flows.batch_inference --shards 300 --gpu-fraction 0.5`: one option per parameter, the flow's
+    defaults for the rest; a value of the wrong type is refused naming the option."""
+    import doctest
+
+    import flows.common
+    from flows.batch_inference import batch_inference
+    from flows.common import flow_args
+    from flows.training import nightly_training
+
+    assert doctest.testmod(flows.common).failed == 0
+    assert flow_args(batch_inference, ["--shards", "300", "--gpu-fraction", "0.5"]) == {"shards": 300,
+                                                                                        "gpu_fraction": 0.5}
+    assert flow_args(nightly_training, ["--no-promote", "--epochs", "5"]) == {"promote": False, "epochs": 5}
+    with pytest.raises(SystemExit):
+        flow_args(batch_inference, ["--shards", "many"])
