@@ -300,6 +300,25 @@ class RunnerSession:
                 logger.error("could not publish the usage report artifacts of flow run %s: %s", flow_run_id, exc)
 
 
+def say_waiting(view: ApprovalView) -> None:
+    """One line in the flow's log (console and Prefect UI) saying who must answer, what, and where: the person who
+    started the flow otherwise saw only Prefect's "Pausing flow"."""
+    from datetime import datetime, timezone
+
+    try:
+        from prefect.logging import get_run_logger
+
+        log: Any = get_run_logger()
+    except Exception:  # outside a run context
+        log = logger
+    who = (f"{view.approvals_required} approvers" if view.approvals_required > 1 else "an approver")
+    signed = ", signed with their key" if view.require_signature else ""
+    until = datetime.fromtimestamp(view.deadline, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    log.warning("AI task %r waits for %s%s (approval rule %r, %.4f %s held): answer at %s or with `aisched approve "
+                "%s --reason ...`; open until %s, when silence denies it", view.task_name, who, signed, view.rule,
+                view.est_cost, view.currency, view.url, view.id[:8], until)
+
+
 class PauseDesk:
     """Waits for people's answers at the control plane, showing the wait as a Prefect pause.
 
@@ -318,6 +337,7 @@ class PauseDesk:
 
     def wait(self, view: ApprovalView, *, deployment: bool = False) -> ApprovalView:
         client = self.session.client
+        say_waiting(view)
         if deployment:
             return self._suspend(view)
         with self._lock:

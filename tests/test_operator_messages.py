@@ -116,3 +116,23 @@ def test_evidence_show_limits_each_table_to_its_last_rows_and_says_so(sqlite_url
     assert "AI task runs: the last 2 of 5 rows (--limit 0 shows all" in out.output
     everything = runner.invoke(app, ["evidence", "show", "--ledger", sqlite_url, "--limit", "0"])
     assert len([line for line in everything.output.splitlines() if "│ shard-" in line]) == 5
+
+
+def test_a_run_waiting_for_a_person_says_who_must_answer_what_and_where(caplog):
+    """The flow's log, not only Prefect's 'Pausing flow': the task, how many approvers, the rule, what is held, the
+    page's link, the CLI answer and when silence denies it."""
+    import logging
+
+    from aisched_prefect.session import say_waiting
+    from aisched_prefect.wire import ApprovalView
+
+    view = ApprovalView(id="3f2a9c81d0e4b5a6c7d8e9f0a1b2c3d4", status="pending", digest="d" * 64, task_name="promote",
+                        task_run_id="t", flow_run_id="f", principal="team-a/nightly", rule="promotions",
+                        est_cost=1.25, deadline=1_796_000_000.0, timeout_seconds=43200, approvals_required=2,
+                        url="http://127.0.0.1:8790/approve/3f2a9c81d0e4b5a6c7d8e9f0a1b2c3d4")
+    with caplog.at_level(logging.WARNING, logger="aisched_prefect"):
+        say_waiting(view)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "AI task 'promote' waits for 2 approvers (approval rule 'promotions', 1.2500 USD held)" in line
+    assert "answer at http://127.0.0.1:8790/approve/3f2a9c81d0e4b5a6c7d8e9f0a1b2c3d4" in line
+    assert "aisched approve 3f2a9c81 --reason" in line and "open until 2026-11-30 00:53 UTC" in line, line
