@@ -1,3 +1,5 @@
+import time
+
 from typer.testing import CliRunner
 
 from aisched_prefect import Ledger
@@ -114,3 +116,22 @@ def test_operator_issues_applies_and_delegates_through_the_control_plane(control
     wider = runner.invoke(app, ["grants", "delegate", "team-a-root", "--id", f"{name}-wide", "--to", "team-a/child",
                                 "--max-gpus", "64", "--token-file", str(token_file)])
     assert isinstance(wider.exception, ControlPlaneError) and "max_gpus" in str(wider.exception)
+
+
+def test_a_credential_issued_with_an_expiry_proves_nothing_after_it(control_plane, monkeypatch):
+    """`aisched credentials issue ... --expires-in 30d`: the token works until then, and is refused after it naming
+    the fix; an expiry that is not a duration, or not positive, is refused at issue and nothing is issued."""
+    monkeypatch.setenv("AISCHED_CONTROL_PLANE", control_plane.url)
+    monkeypatch.setenv("AISCHED_OPERATOR_TOKEN", control_plane.operator_token)
+    month = runner.invoke(app, ["credentials", "issue", "team-a/expiring", "--expires-in", "30d"])
+    assert month.exit_code == 0, month.output
+    who = control_plane.request("GET", "/v1/whoami", month.output.strip())
+    assert who.status_code == 200 and who.json()["expires_at"] > time.time() + 29 * 86400
+    gone = control_plane.issue("team-a/expired", expires_in=0.001)  # past its expiry by the time it is used
+    refused = control_plane.request("GET", "/v1/whoami", gone)
+    assert refused.status_code == 401 and "expired at" in refused.text and "aisched credentials issue" in refused.text
+    bad = runner.invoke(app, ["credentials", "issue", "team-a/x", "--expires-in", "soon"])
+    assert bad.exit_code != 0 and "'soon' is not a duration" in bad.output
+    negative = runner.invoke(app, ["credentials", "issue", "team-a/x", "--expires-in", "-5d"])
+    assert negative.exit_code != 0 and "expires_in=-432000.0" in str(negative.exception), negative.exception
+    assert "Fix: --expires-in 30d" in str(negative.exception)

@@ -56,6 +56,7 @@ class IssueIn(BaseModel):
     principal: str
     tenant: str | None = None
     role: str = "flow"
+    expires_in: float | None = None  # seconds from now (None: until revoked); checked at issue
     authority: str | None = None
     budget: str | None = None
     policy: str | None = None
@@ -533,7 +534,7 @@ def build_app(plane: ControlPlane) -> FastAPI:
         tenant = body.tenant or body.principal.split("/")[0]
         token, cred = await run(lambda: plane.credentials.issue(
             op.principal, principal=body.principal, tenant=tenant, role=body.role,  # type: ignore[arg-type]
-            authority=body.authority, budget=body.budget, policy=body.policy, cluster=body.cluster))
+            expires_in=body.expires_in, authority=body.authority, budget=body.budget, policy=body.policy, cluster=body.cluster))
         return {"token": token, "credential": cred.public()}
 
     @app.post("/v1/credentials/{credential_id}/revoke")

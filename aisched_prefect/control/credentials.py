@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,7 @@ def owns(cred: Credential, adm: Admission) -> bool:
     return cred.principal == adm.principal and cred.authority == adm.authority
 
 
+MAX_EXPIRY_SECONDS = 10 * 365 * 86400.0  # the longest expiry an operator may set at issue
 PRINCIPAL_LENGTH = 200  # the evidence log's and the holds' principal column
 
 
@@ -90,20 +92,32 @@ class Credentials:
             cred = self.state.refresh().credentials.get(parsed[0])
         if cred is None or not cred.matches(token):
             raise Unauthorized("unknown or revoked credential. Fix: an operator issues one with `aisched credentials issue`")
+        if cred.expired(time.time()):
+            assert cred.expires_at is not None
+            when = datetime.fromtimestamp(cred.expires_at, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            raise Unauthorized(f"credential {cred.id} of {cred.principal} expired at {when}. Fix: an operator issues a "
+                               "new one (`aisched credentials issue ... --expires-in 30d`)")
         if roles and cred.role not in roles:
             raise Unauthorized(f"a {cred.role} credential may not do this (needs {' or '.join(roles)}). "
                                f"Fix: {role_fix(roles)}", 403)
         return cred
 
-    def issue(self, by: str, *, principal: str, tenant: str, role: Role, **bindings: str | None) -> tuple[str, Credential]:
+    def issue(self, by: str, *, principal: str, tenant: str, role: Role, expires_in: float | None = None,
+              **bindings: str | None) -> tuple[str, Credential]:
         """A new credential; its hash (never the token) becomes an evidence record.
 
         Checked first, so a mistake shows here and not at the first run: the principal and tenant are names
-        the books can carry, and every configuration it is bound to is applied on this control plane."""
+        the books can carry, every configuration it is bound to is applied on this control plane, and an expiry
+        (`expires_in` seconds from now) is a positive number of at most ten years."""
         check_principal("principal", principal, exact=role != "operator")
         check_principal("tenant", tenant, exact=False)
+        if expires_in is not None and not (isinstance(expires_in, (int, float)) and 0 < expires_in <= MAX_EXPIRY_SECONDS):
+            raise InvalidConfig("expires_in", expires_in, f"an expiry is a number of seconds in (0, "
+                                f"{MAX_EXPIRY_SECONDS:.0f}] (ten years)", "--expires-in 30d (or 12h, 90m, 3600), or "
+                                "leave it out for a credential that lasts until revoked")
         self._check_bindings(bindings)
-        token, cred = new_credential(principal=principal, tenant=tenant, role=role, created_by=by, **bindings)
+        token, cred = new_credential(principal=principal, tenant=tenant, role=role, created_by=by,
+                                     expires_at=time.time() + expires_in if expires_in is not None else None, **bindings)
         records.record(self.ledger, records.CredentialIssued(credential=cred, by=by), principal=by)
         self.state.refresh()
         return token, cred

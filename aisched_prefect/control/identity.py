@@ -41,6 +41,10 @@ class Credential(BaseModel):
     cluster: str | None = None
     created_by: str
     revoked: bool = False
+    expires_at: float | None = None  # epoch seconds after which it proves nothing (None: until revoked)
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
     def matches(self, token: str) -> bool:
         parsed = parse_token(token)
@@ -57,10 +61,11 @@ def parse_token(token: str) -> tuple[str, str] | None:
 
 
 def new_credential(*, principal: str, tenant: str, role: Role, created_by: str, authority: str | None = None,
-                   budget: str | None = None, policy: str | None = None, cluster: str | None = None) -> tuple[str, Credential]:
+                   budget: str | None = None, policy: str | None = None, cluster: str | None = None,
+                   expires_at: float | None = None) -> tuple[str, Credential]:
     """A fresh token (shown once) and the credential the control plane keeps for it."""
     cid, secret = secrets.token_hex(8), secrets.token_urlsafe(32)
     cred = Credential(id=cid, secret_sha256=hashlib.sha256(secret.encode()).hexdigest(), principal=principal,
                       tenant=tenant, role=role, authority=authority, budget=budget, policy=policy, cluster=cluster,
-                      created_by=created_by)
+                      created_by=created_by, expires_at=expires_at)
     return f"ais_{cid}_{secret}", cred
