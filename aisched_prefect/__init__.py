@@ -14,9 +14,9 @@ _WHERE = {
     "ApprovalDecision": "aisched_prefect.approvals",
     "ApprovalInput": "aisched_prefect.approvals",
     "task_logger": "aisched_prefect.body",
-    "ControlPlaneClient": "aisched_prefect.client",
-    "ControlPlaneError": "aisched_prefect.client",
-    "ControlPlaneUnavailable": "aisched_prefect.client",
+    "ControlPlaneClient": "aisched_prefect.flow.client",
+    "ControlPlaneError": "aisched_prefect.flow.client",
+    "ControlPlaneUnavailable": "aisched_prefect.flow.client",
     "AdmissionDenied": "aisched_prefect.errors",
     "AISchedError": "aisched_prefect.errors",
     "ConfigurationError": "aisched_prefect.errors",
@@ -34,9 +34,9 @@ _WHERE = {
     "Ledger": "aisched_prefect.ledger",
     "evidence_rows": "aisched_prefect.report",
     "AIRequest": "aisched_prefect.request",
-    "AISchedTaskRunner": "aisched_prefect.runner",
-    "ai_task": "aisched_prefect.task",
-    "request_of": "aisched_prefect.task",
+    "AISchedTaskRunner": "aisched_prefect.flow.runner",
+    "ai_task": "aisched_prefect.flow.task",
+    "request_of": "aisched_prefect.flow.task",
     "ReportedUsage": "aisched_prefect.usage",
     "report_usage": "aisched_prefect.usage",
     "ApprovalView": "aisched_prefect.wire",
@@ -72,7 +72,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from aisched_prefect.approvals import ApprovalDecision, ApprovalInput
     from aisched_prefect.body import task_logger
-    from aisched_prefect.client import ControlPlaneClient, ControlPlaneError, ControlPlaneUnavailable
+    from aisched_prefect.flow.client import ControlPlaneClient, ControlPlaneError, ControlPlaneUnavailable
     from aisched_prefect.errors import (
         AdmissionDenied,
         AISchedError,
@@ -90,8 +90,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from aisched_prefect.ledger import Ledger
     from aisched_prefect.report import evidence_rows
     from aisched_prefect.request import AIRequest
-    from aisched_prefect.runner import AISchedTaskRunner
-    from aisched_prefect.task import ai_task, request_of
+    from aisched_prefect.flow.runner import AISchedTaskRunner
+    from aisched_prefect.flow.task import ai_task, request_of
     from aisched_prefect.usage import ReportedUsage, report_usage
     from aisched_prefect.wire import ApprovalView
     from dask_gpu import checkpoint, current_devices, current_worker, current_worker_name, run_subprocess

@@ -30,7 +30,7 @@ SOURCE_MAGIC = b"aisched-source/1\n"
 OWN_PACKAGES = frozenset({"dask_gpu", "aisched_prefect", "blocks"})  # what the worker runs: never shipped
 MAX_FILES = 64
 MAX_BYTES = 8 * 2**20
-BODY_ATTR = "__aisched_body__"  # an @ai_task's function carries its body under this name (aisched_prefect.task)
+BODY_ATTR = "__aisched_body__"  # an @ai_task's function carries its body under this name (aisched_prefect.flow.task)
 
 
 def _norm(value: Any) -> Any:

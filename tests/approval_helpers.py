@@ -187,8 +187,8 @@ class RawCall:
     def __init__(self, tenant: Any, task: Any, *args: Any, flow_run_id: str | None = None) -> None:
         import cloudpickle
 
-        from aisched_prefect.client import ControlPlaneClient
-        from aisched_prefect.task import request_of
+        from aisched_prefect.flow.client import ControlPlaneClient
+        from aisched_prefect.flow.task import request_of
         from aisched_prefect.wire import CallMeta
         from dask_gpu.bodycode import code_digest
 

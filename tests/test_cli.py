@@ -111,7 +111,7 @@ def test_operator_issues_applies_and_delegates_through_the_control_plane(control
     ok = runner.invoke(app, ["grants", "delegate", "team-a-root", "--id", f"{name}-child", "--to", "team-a/child",
                              "--max-gpus", "1", "--token-file", str(token_file)])
     assert ok.exit_code == 0, ok.output
-    from aisched_prefect.client import ControlPlaneError
+    from aisched_prefect.flow.client import ControlPlaneError
 
     wider = runner.invoke(app, ["grants", "delegate", "team-a-root", "--id", f"{name}-wide", "--to", "team-a/child",
                                 "--max-gpus", "64", "--token-file", str(token_file)])

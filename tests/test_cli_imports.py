@@ -96,7 +96,7 @@ def test_a_command_that_talks_to_the_plane_loads_only_what_it_needs_and_names_wo
 def test_the_package_still_exports_its_public_names():
     """Imported on first use, the public names are the same objects as before, `import *` included."""
     import aisched_prefect
-    from aisched_prefect.task import ai_task
+    from aisched_prefect.flow.task import ai_task
 
     assert aisched_prefect.ai_task is ai_task and "AISchedTaskRunner" in aisched_prefect.__all__
     namespace: dict = {}

@@ -21,9 +21,9 @@ from prefect import flow
 from prefect.context import FlowRunContext
 
 from aisched_prefect import ai_task
-from aisched_prefect.direct import fetch_result_sync
+from aisched_prefect.flow.direct import fetch_result_sync
 from aisched_prefect.errors import ResultLost, ResultMismatch
-from aisched_prefect.stream import CallStream
+from aisched_prefect.flow.stream import CallStream
 from tests.approval_helpers import RawCall
 from tests.helpers import ledger_text, send_raw, tenant
 

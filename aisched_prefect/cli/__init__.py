@@ -61,7 +61,7 @@ def main() -> None:
         if isinstance(exc, (AISchedError, OSError, ValueError)) or http_error:
             if debug:
                 raise
-            client = sys.modules.get("aisched_prefect.client")
+            client = sys.modules.get("aisched_prefect.flow.client")
             if client is not None and isinstance(exc, client.ControlPlaneError):
                 typer.echo(f"error: the control plane refused (HTTP {exc.status}): {exc}", err=True)
             else:

@@ -12,7 +12,7 @@ from aisched_prefect.cli import common
 from aisched_prefect.cli.common import ApproverOpt, ForceOpt, KeyOpt, PlaneOpt, TokenOpt, console
 
 if TYPE_CHECKING:
-    from aisched_prefect.client import ControlPlaneClient
+    from aisched_prefect.flow.client import ControlPlaneClient
 
 
 approvals_app = typer.Typer(help="Runs waiting for a person, and approvers' keys.", no_args_is_help=True)
@@ -99,7 +99,7 @@ def _answer(approval_id: str, approve: bool, approver: Optional[str], reason: st
 
 def _public_view(plane: "ControlPlaneClient", approval_id: str) -> dict:
     """What a signed answer signs, without a credential: the request's digest (nothing else about the run)."""
-    from aisched_prefect.client import ControlPlaneError
+    from aisched_prefect.flow.client import ControlPlaneError
 
     try:
         return plane.get(f"/v1/approvals/{approval_id}/digest")

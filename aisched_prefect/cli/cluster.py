@@ -68,7 +68,7 @@ def _wait_for_workers(url: Optional[str], token_file: Optional[str], n: int, tim
 
     A control plane starting on this host writes its operator token first: until then there is none to read.
     """
-    from aisched_prefect.client import ControlPlaneUnavailable
+    from aisched_prefect.flow.client import ControlPlaneUnavailable
 
     deadline = time.monotonic() + timeout
     view: Optional[dict] = None

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from aisched_prefect.client import ControlPlaneClient
+    from aisched_prefect.flow.client import ControlPlaneClient
     from aisched_prefect.ledger import Ledger as LedgerType
 
 console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # piped output: no 80-column squeeze
@@ -26,7 +26,7 @@ KeyOpt = typer.Option(None, "--key", help="Your private key from `aisched approv
 
 def plane(url: Optional[str], token_file: Optional[str] = None, *, signed: bool = False) -> "ControlPlaneClient":
     """A client of the control plane with the caller's own token (operator, approver or flow)."""
-    from aisched_prefect.client import ControlPlaneClient
+    from aisched_prefect.flow.client import ControlPlaneClient
     from aisched_prefect.settings import settings
 
     env = settings()

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from aisched_prefect.client import ControlPlaneError
+from aisched_prefect.flow.client import ControlPlaneError
 from tests.approval_helpers import RawCall
 from tests.attacks.support import infer, tenant
 

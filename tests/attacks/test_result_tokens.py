@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from aisched_prefect import ai_task
 from aisched_prefect.control.calls import calls
-from aisched_prefect.direct import fetch_result_sync
+from aisched_prefect.flow.direct import fetch_result_sync
 from tests.approval_helpers import RawCall
 from tests.attacks.support import infer, tenant
 from tests.helpers import send_raw

@@ -108,7 +108,7 @@ class ControlPlaneClient:
         head, out = unframe(resp.content)
         reply = Reply.model_validate_json(head)
         if reply.status == "completed" and reply.result_ref is not None:  # kept on its worker: fetched from there
-            from aisched_prefect.direct import fetch_result_sync, lost_report
+            from aisched_prefect.flow.direct import fetch_result_sync, lost_report
             from aisched_prefect.errors import ResultLost
 
             try:

@@ -11,7 +11,7 @@ number so a cut connection or a proxy's idle timeout loses none and delivers
 none twice. A result's bytes are checked against the digest the control plane
 recorded before anything unpickles them; a large result is not on the stream at
 all: the reply names where its worker keeps it, and the bytes are fetched from
-there (aisched_prefect.direct).
+there (aisched_prefect.flow.direct).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from aisched_prefect.control.outcomes import result_digest
-from aisched_prefect.direct import fetch_result, lost_report
+from aisched_prefect.flow.direct import fetch_result, lost_report
 from aisched_prefect.errors import AISchedError, ResultLost, ResultMismatch  # noqa: F401 - ResultMismatch: its old home
 from aisched_prefect.wire import FRAME, CallMeta, OutcomesOut, Reply, RunIn, RunsIn, frame, unframe
 
@@ -310,7 +310,7 @@ class CallStream:
                     patience: float | None = None, **kw: Any) -> tuple[int, httpx.Response]:
         """One request to the first replica that answers (starting at `first`; `only`: that one alone), retried
         while none does (every request is idempotent); returns which replica answered."""
-        from aisched_prefect.client import ControlPlaneUnavailable, raise_for_problem
+        from aisched_prefect.flow.client import ControlPlaneUnavailable, raise_for_problem
 
         deadline = time.monotonic() + (self.retry_seconds if patience is None else patience)
         last: Exception | str | None = None
@@ -340,7 +340,7 @@ class CallStream:
     # -- outcomes ------------------------------------------------------------------------------------
     async def _poll(self, k: int) -> None:
         """The long-poll of replica `k`, while it follows calls of this flow process."""
-        from aisched_prefect.client import ControlPlaneUnavailable
+        from aisched_prefect.flow.client import ControlPlaneUnavailable
 
         alone = len(self.urls) == 1  # no other replica to go to: wait for this one to come back
         while self._pending_at.get(k):
@@ -404,7 +404,7 @@ class CallStream:
         if (reply.status == "completed" and reply.result_digest and reply.result_ref is None
                 and result_digest(out) != reply.result_digest):
             reply = reply.model_copy(update={
-                "status": "failed", "error_type": "aisched_prefect.stream.ResultMismatch",
+                "status": "failed", "error_type": "aisched_prefect.flow.stream.ResultMismatch",
                 "error_message": "the result's bytes differ from the digest the control plane recorded: not loaded"})
             out = b""
             logger.error("AI task result for call %s did not match its recorded digest: refused", key)

@@ -15,11 +15,11 @@ from typing import Any
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import ValidationError
 
-from aisched_prefect.config import REFUSED, RunnerConfig
+from aisched_prefect.flow.config import REFUSED, RunnerConfig
 from aisched_prefect.errors import ConfigurationError, NoAdmissionContext
-from aisched_prefect.session import RunnerSession
-from aisched_prefect.stream import LoopThread
-from aisched_prefect.taskcontext import AdmittingRunner
+from aisched_prefect.flow.session import RunnerSession
+from aisched_prefect.flow.stream import LoopThread
+from aisched_prefect.flow.taskcontext import AdmittingRunner
 
 
 class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
@@ -113,7 +113,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
         """A plain task runs in a thread, as under ThreadPoolTaskRunner; an AI task waits as a coroutine on the
         runner's loop, so a `.map()` over 10,000 shards holds no thread per shard (Prefect's async task engine
         keeps its states, retries and results)."""
-        from aisched_prefect.task import async_twin, request_of
+        from aisched_prefect.flow.task import async_twin, request_of
 
         if request_of(task) is None:
             return super().submit(task, parameters, wait_for, dependencies)
@@ -190,7 +190,7 @@ async def _run_ai_task(loop: LoopThread, task: Any, task_run_id: Any, parameters
     visit_collection(wait_for, visit_fn=collect, return_data=False)
     if futures:
         await _all_done(futures)
-    from aisched_prefect.stream import ENGINE_SLOT
+    from aisched_prefect.flow.stream import ENGINE_SLOT
 
     slot = loop.engine_slot()
     ENGINE_SLOT.set(slot)

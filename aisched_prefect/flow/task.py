@@ -19,7 +19,7 @@ from prefect.client.schemas.objects import State, TaskRun
 from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, InvalidAIRequest, NoAdmissionContext
 from dask_gpu.tickets import TicketRejected
 from aisched_prefect.request import AIRequest
-from aisched_prefect.taskcontext import SYNC_TASK_ATTR, as_sync, call_context
+from aisched_prefect.flow.taskcontext import SYNC_TASK_ATTR, as_sync, call_context
 
 R = TypeVar("R")
 

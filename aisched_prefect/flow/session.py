@@ -20,14 +20,14 @@ from typing import Any
 import cloudpickle
 
 from aisched_prefect.approvals import ApprovalInput, parameters_summary
-from aisched_prefect.client import ControlPlaneClient, ControlPlaneError
-from aisched_prefect.config import RunnerConfig
-from aisched_prefect.embedded import EmbeddedControlPlane
+from aisched_prefect.flow.client import ControlPlaneClient, ControlPlaneError
+from aisched_prefect.flow.config import RunnerConfig
+from aisched_prefect.flow.embedded import EmbeddedControlPlane
 from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, ConfigurationError, InvalidAIRequest
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import settings
-from aisched_prefect.stream import ENGINE_SLOT, CallStream, LoopThread
-from aisched_prefect.taskcontext import as_sync
+from aisched_prefect.flow.stream import ENGINE_SLOT, CallStream, LoopThread
+from aisched_prefect.flow.taskcontext import as_sync
 from aisched_prefect.wire import ApprovalView, CallMeta, Reply
 from dask_gpu import StopRequested
 from dask_gpu.bodycode import code_digest, preloads, ship
