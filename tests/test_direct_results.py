@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from aisched_prefect import direct
+from aisched_prefect.flow import direct
 from aisched_prefect.control import calls, keys, outcomes
 from aisched_prefect.control.outcomes import direct_reply, result_evidence
 from aisched_prefect.errors import ResultLost, ResultMismatch
