@@ -225,7 +225,7 @@ def submit(client: Any, fn: Callable[..., Any], *args: Any, request: GPURequest,
     if not request.gpus:
         return client.submit(_call, fn, request, args, kwargs, pure=False)
     inventories = cluster_inventories(client) if inventories is None else inventories
-    if request.gang(inventories):
+    if request.gang():
         raise InfeasibleRequest(f"request ({request.describe()}) needs several whole workers (a multi-host job): "
                                 "run it as an @ai_task, whose control plane places it on whole workers all at once")
     return client.submit(_call, fn, request, args, kwargs, resources=request.resources(),

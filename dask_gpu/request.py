@@ -101,7 +101,7 @@ class GPURequest(BaseModel):
         """Could this worker alone ever hold the request (all devices free)?"""
         return (self.hosts or 1) == 1 and self.fitting(inventory) >= self.devices_needed
 
-    def gang(self, inventories: dict[str, WorkerInventory] | None = None) -> bool:
+    def gang(self) -> bool:
         """Whether the request runs on several whole workers: only when it asks for them (`hosts` > 1). A request
         wider than every worker without `hosts` is refused (a body written for one process must not run twice)."""
         return (self.hosts or 1) > 1
@@ -164,7 +164,7 @@ def gang_workers(request: GPURequest, inventories: dict[str, WorkerInventory]) -
                                 "needs whole GPUs")
     hosts = request.hosts or 1
     need = int(request.gpus) // hosts
-    members = [w for w, inv in inventories.items() if request.fitting(inv) >= need]
+    members = _members(request, inventories, need)
     if len(members) >= hosts > 1:
         return members
     have = ", ".join(f"{w}: {request.fitting(inv)}" for w, inv in inventories.items()) or "no workers"
@@ -181,15 +181,18 @@ def _largest(inventories: dict[str, WorkerInventory]) -> tuple[str, WorkerInvent
                key=lambda kv: (len(kv[1].devices), max((d.memory_gb for d in kv[1].devices), default=0)))
 
 
+def _members(request: GPURequest, inventories: dict[str, WorkerInventory], need: int) -> list[str]:
+    """The workers that could each hold `need` of the request's devices: a gang's possible members."""
+    return [w for w, inv in inventories.items() if request.fitting(inv) >= need]
+
+
 def _hosts_that_would_hold(request: GPURequest, inventories: dict[str, WorkerInventory]) -> int | None:
-    """The fewest hosts over which `request`'s whole GPUs would spread evenly on workers of this cluster (None: none)."""
+    """The fewest hosts over which the request's whole GPUs spread evenly on workers of this cluster (None: none)."""
     if request.fractional or request.gpus < 2:
         return None
     for hosts in range(2, int(request.gpus) + 1):
-        if int(request.gpus) % hosts == 0:
-            need = int(request.gpus) // hosts
-            if sum(1 for inv in inventories.values() if request.fitting(inv) >= need) >= hosts:
-                return hosts
+        if int(request.gpus) % hosts == 0 and len(_members(request, inventories, int(request.gpus) // hosts)) >= hosts:
+            return hosts
     return None
 
 

@@ -157,4 +157,4 @@ def test_feasibility_agrees_with_what_an_idle_worker_can_hold(hosts, request):
     if could:
         assert got == could
     else:  # wider than every worker: a gang over whole workers that together hold it
-        assert request.gang(inventories) and sum(request.fitting(inventories[w]) for w in got) >= request.gpus
+        assert request.gang() and sum(request.fitting(inventories[w]) for w in got) >= request.gpus
