@@ -22,23 +22,50 @@ from tests.helpers import tenant
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
+def pair_up(where: str, i, calls: int) -> None:
+    """Notes that call i runs, then waits (up to 60 s) until another call runs beside it or every other call has
+    ended: an event, so the limit is used however late a loaded machine submits the calls. A limit that let a third
+    run meanwhile would still be seen: each call runs on for 0.5 s after it meets its partner."""
+    import os
+
+    open(os.path.join(where, f"running-{i}"), "w").close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        names = os.listdir(where)
+        running = sum(n.startswith("running-") for n in names)
+        ended = sum(n.startswith("ended-") for n in names)
+        if running >= 2 or ended == calls - 1:
+            return
+        time.sleep(0.02)
+
+
+def done(where: str, i) -> None:
+    import os
+
+    os.replace(os.path.join(where, f"running-{i}"), os.path.join(where, f"ended-{i}"))
+
+
 @ai_task(kind="model-call", model="gpt-x", est_tokens=100)
-def call(i):
+def call(i, where: str, calls: int):
     start = time.time()
+    pair_up(where, i, calls)
     time.sleep(0.5)
-    return start, time.time()
+    end = time.time()
+    done(where, i)
+    return start, end
 
 
 def settled(plane, run: str) -> list[dict]:
     return [r.payload for r in plane.records(run) if r.kind == "settlement"]
 
 
-def test_concurrency_limit_caps_calls_in_flight(control_plane):
+def test_concurrency_limit_caps_calls_in_flight(control_plane, tmp_path):
     t = tenant(control_plane, cluster=ClusterBlock(model_limits=[ModelLimit(model="gpt-*", concurrency=2)]))
 
     @flow(task_runner=t.runner(max_workers=8))
     def batch():
-        return [f.result() for f in call.map(range(6))], str(FlowRunContext.get().flow_run.id)
+        calls = call.map(range(6), where=unmapped(str(tmp_path)), calls=unmapped(6))
+        return [f.result() for f in calls], str(FlowRunContext.get().flow_run.id)
 
     spans, run = batch()
     assert most_at_once(spans) == 2  # never more, and the limit is used
@@ -48,7 +75,7 @@ def test_concurrency_limit_caps_calls_in_flight(control_plane):
     assert all(p["model_limit"]["limit"] == "gpt-*" for p in payloads) and max(waited) > 0.4
 
 
-def test_concurrency_limit_is_shared_by_two_flow_runs_at_once(control_plane):
+def test_concurrency_limit_is_shared_by_two_flow_runs_at_once(control_plane, tmp_path):
     """Two flows under two tenants' credentials, running at the same time, share one provider limit."""
     import threading
 
@@ -56,21 +83,24 @@ def test_concurrency_limit_is_shared_by_two_flow_runs_at_once(control_plane):
     tenants = [tenant(control_plane, cluster=cluster) for _ in range(2)]
 
     @ai_task(kind="model-call", model="gpt-shared-1", est_tokens=100)
-    def shared(i):
+    def shared(i, where: str):
         start = time.time()
+        pair_up(where, i, 6)
         time.sleep(0.5)
-        return start, time.time()
+        end = time.time()
+        done(where, i)
+        return start, end
 
     spans: list[tuple[float, float]] = []
 
-    def run(t):
+    def run(t, k):
         @flow(task_runner=t.runner(max_workers=4))
         def batch():
-            return [f.result() for f in shared.map(range(3))]
+            return [f.result() for f in shared.map([f"{k}.{i}" for i in range(3)], where=unmapped(str(tmp_path)))]
 
         spans.extend(batch())
 
-    threads = [threading.Thread(target=run, args=(t,)) for t in tenants]
+    threads = [threading.Thread(target=run, args=(t, k)) for k, t in enumerate(tenants)]
     for th in threads:
         th.start()
     for th in threads:
