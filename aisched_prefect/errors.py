@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from prefect.exceptions import Pause
+
 
 class AISchedError(Exception):
     """Base class for every error raised by aisched_prefect."""
@@ -64,12 +66,17 @@ class SchedulerLost(AISchedError):
     """The Dask scheduler went away while a run ran: its outcome is unknown, it was charged for the time it had."""
 
 
-class ApprovalSuspended(AISchedError):
+class ApprovalSuspended(Pause):
     """A deployment run was suspended to wait for a person; its process exits and the run resumes on the answer.
 
-    Not a failure of the task: the flow run is Suspended (it holds no process
-    and no budget), and re-runs from the start on its work pool when resumed.
+    Not a failure: a Prefect Pause (not an Exception), so the flow run is Suspended (it holds no process and no
+    budget), its step is drawn Suspended, and the run re-runs from the start on its work pool when resumed.
     """
+
+
+class ApprovalWithdrawn(AISchedError):
+    """The flow stopped (Ctrl-C, SIGTERM, Prefect cancellation) while a run waited for a person: its request was
+    withdrawn and its budget released; an answer given after that is told the run is gone."""
 
 
 class InvalidLedgerInput(AISchedError, ValueError):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 
-from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended
+from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, ApprovalWithdrawn
 
-EXPECTED = (AdmissionDenied, ApprovalSuspended)
+EXPECTED = (AdmissionDenied, ApprovalSuspended, ApprovalWithdrawn)
 _NAMES = tuple(cls.__name__ for cls in EXPECTED)
 RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 

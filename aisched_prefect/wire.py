@@ -61,7 +61,7 @@ class ApprovalView(BaseModel):
     """A pending or decided approval, as the control plane's records say (never as a flow says)."""
 
     id: str
-    status: Literal["pending", "approved", "rejected", "expired", "suspended", "consumed"]
+    status: Literal["pending", "approved", "rejected", "expired", "suspended", "consumed", "withdrawn"]
     digest: str
     task_name: str
     task_run_id: str

@@ -123,6 +123,16 @@ def test_a_person_approves_from_the_prefect_ui_on_the_control_planes_page(contro
             context = browser.new_context(viewport={"width": 1300, "height": 1050})
             page = context.new_page()
             page.goto(f"http://127.0.0.1:{port}/runs/flow-run/{flow_run_id}")
+            # The run page says why it waits and where to answer: the flow's log line, with the plane's link.
+            page.get_by_text("waits for an approver").first.wait_for(timeout=60_000)
+            page.get_by_text(f"{control_plane.url}/approve/").first.wait_for(timeout=10_000)  # its link, beside it
+            # Prefect's own Submit does not count: the run's log says so on the page, and the run pauses again.
+            page.get_by_role("button", name="Resume").click()
+            page.get_by_role("dialog").get_by_text("Approve AI task").wait_for(timeout=30_000)
+            page.get_by_role("dialog").get_by_role("button", name="Submit").click()
+            page.get_by_text("was not counted").first.wait_for(timeout=60_000)
+            _paused_run(api, name, time.time() + 120, run)
+            page.reload()
             page.get_by_role("button", name="Resume").click()
             dialog = page.get_by_role("dialog")
             dialog.get_by_text("Approve AI task").wait_for(timeout=30_000)
@@ -177,4 +187,5 @@ def test_a_person_approves_from_the_prefect_ui_on_the_control_planes_page(contro
     assert d["reason"] == "eval numbers look right; go" and d["verified"] is True
     assert d["approver_chains"] == {"alice": ["alice-approves"]}
     kinds = [r.kind for r in control_plane.records(flow_run_id)]
-    assert kinds == ["approval-requested", "approval", "approval-consumed", "admission", "settlement"]
+    assert kinds == ["approval-requested", "approval-unverified", "approval", "approval-consumed", "admission",
+                     "settlement"]

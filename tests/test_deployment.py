@@ -56,6 +56,27 @@ def _aisched(demo: DemoServer, *args: str) -> str:
     return done.stdout
 
 
+def _task_runs(demo: DemoServer, flow_run_id: str) -> list[dict]:
+    import httpx
+
+    resp = httpx.post(f"{demo.api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}, timeout=30)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def _steps(demo: DemoServer, flow_run_id: str) -> dict[str, list[str]]:
+    """Each step's task runs by their state's name, as the run page draws them."""
+    steps: dict[str, list[str]] = {}
+    for run in _task_runs(demo, flow_run_id):
+        steps.setdefault(run["name"].rsplit("-", 1)[0], []).append(run["state"]["name"])
+    return steps
+
+
+def _step_message(demo: DemoServer, flow_run_id: str, step: str) -> str:
+    return " ".join(r["state"]["message"] or "" for r in _task_runs(demo, flow_run_id)
+                    if r["name"].rsplit("-", 1)[0] == step)
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     server = DemoServer(tmp_path_factory.mktemp("deploy") / "aisched", _free_port())
@@ -79,6 +100,10 @@ def test_nightly_deployment_suspends_for_approval_and_resumes_on_its_worker(demo
         time.sleep(0.5)
     assert not _processes_of(flow_run), "a suspended run must not keep a process"
     assert demo.state(flow_run)[1] == "Suspended"
+    steps = _steps(demo, flow_run)  # the UI draws the promotion step Suspended, not a red Failed
+    assert steps["promote_to_registry"] == ["Suspended"] and "Failed" not in str(steps), steps
+    assert "suspended until a person answers the approval of 'promote_to_registry'" in _step_message(
+        demo, flow_run, "promote_to_registry")
     suspended = [r for r in ledger.records(flow_run) if r.kind == "approval-suspended"]
     assert [r.payload["task"] for r in suspended] == ["promote_to_registry"]
     assert all(a["pending"] == 0 for a in ledger.accounts()), "a suspended run holds no budget"
@@ -90,6 +115,8 @@ def test_nightly_deployment_suspends_for_approval_and_resumes_on_its_worker(demo
 
     kind, name = demo.wait(flow_run, {"Completed"}, timeout=300)
     assert kind == "COMPLETED", f"resumed run ended {name}:\n{(demo.home / 'worker.log').read_text()[-4000:]}"
+    steps = _steps(demo, flow_run)  # the re-run's promotion completed; the suspended attempt stays Suspended
+    assert "Completed" in steps["promote_to_registry"] and "Failed" not in str(steps), steps
     records = ledger.records(flow_run)
     assert not _aisched(demo, "approvals", "list", "--json").strip(), "nothing waits any more"
 

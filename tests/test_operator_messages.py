@@ -123,7 +123,7 @@ def test_a_run_waiting_for_a_person_says_who_must_answer_what_and_where(caplog):
     page's link, the CLI answer and when silence denies it."""
     import logging
 
-    from aisched_prefect.flow.session import say_waiting
+    from aisched_prefect.flow.approval_wait import say_waiting
     from aisched_prefect.wire import ApprovalView
 
     view = ApprovalView(id="3f2a9c81d0e4b5a6c7d8e9f0a1b2c3d4", status="pending", digest="d" * 64, task_name="promote",

@@ -19,7 +19,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control.approval_page import SECURITY_HEADERS, approval_page, sign_in_page
@@ -50,6 +50,10 @@ class AnswerIn(BaseModel):
 
 class LinkIn(BaseModel):
     approver: str
+
+
+class WithdrawIn(BaseModel):
+    reason: str = Field(default="the flow stopped waiting", max_length=500)
 
 
 class IssueIn(BaseModel):
@@ -406,6 +410,13 @@ def build_app(plane: ControlPlane) -> FastAPI:
         cred = plane.credentials.authenticate(_token(request), "flow")
         await run(plane.desk.approval, cred, approval_id)
         return (await run(plane.approvals.suspend, approval_id)).model_dump(mode="json")
+
+    @app.post("/v1/approvals/{approval_id}/withdraw")
+    async def withdraw(approval_id: str, body: WithdrawIn, request: Request) -> dict[str, Any]:
+        """The flow that asked stops waiting (Ctrl-C, SIGTERM, cancellation): its request ends, its budget is released."""
+        cred = plane.credentials.authenticate(_token(request), "flow")
+        await run(plane.desk.approval, cred, approval_id)
+        return (await run(plane.waiters.withdraw, approval_id, body.reason)).model_dump(mode="json")
 
     @app.post("/v1/approvals/{approval_id}/unverified")
     async def unverified(approval_id: str, said: dict[str, Any], request: Request) -> dict[str, str]:

@@ -17,6 +17,7 @@ from aisched_prefect.approvals import ApprovalDecision
 from aisched_prefect.control import stages
 from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
 from aisched_prefect.control.approval_proof import ApprovalError
+from aisched_prefect.control.approval_waiters import Waiters
 from aisched_prefect.control.approvals import ApprovalBook
 from aisched_prefect.control.credentials import Unauthorized, owns
 from aisched_prefect.control.dispatch import Dispatcher
@@ -34,9 +35,9 @@ class ApprovalDesk:
     """Asks people, counts their answers, and admits the call an approval allows."""
 
     def __init__(self, ledger: Ledger, state: AuthorityState, settings: Settings, approvals: ApprovalBook,
-                 admitter: Admitter, dispatcher: Dispatcher) -> None:
+                 admitter: Admitter, dispatcher: Dispatcher, waiters: Waiters) -> None:
         self.ledger, self.state, self.settings = ledger, state, settings
-        self.approvals, self.admitter, self.dispatcher = approvals, admitter, dispatcher
+        self.approvals, self.admitter, self.dispatcher, self.waiters = approvals, admitter, dispatcher, waiters
 
     # -- a call that needs a person -------------------------------------------------------------
     def ask(self, need: ApprovalNeeded) -> Reply:
@@ -99,10 +100,14 @@ class ApprovalDesk:
     def approval(self, caller: Credential, approval_id: str, wait: float = 0.0) -> ApprovalView:
         """A request as it stands, waiting up to `wait` seconds for it to be decided (a flow: only its own)."""
         deadline = time.monotonic() + min(wait, self.settings.approval_wait_seconds)
+        marked = caller.role != "flow"
         while True:
             view = self.approvals.view(approval_id)
             if caller.role == "flow" and not owns(caller, self.approvals.admission(approval_id)):
                 raise Unauthorized("this approval belongs to another principal", 403)
+            if not marked and view.status == "pending":  # the flow that asked still waits for it
+                self.waiters.seen(approval_id)
+                marked = True
             if view.status not in ("pending", "suspended") or time.monotonic() >= deadline:
                 return view
             time.sleep(0.2)

@@ -7,11 +7,10 @@ approval page (app.py).
 from __future__ import annotations
 
 import json
-import time
-from datetime import datetime, timezone
 from typing import Any
 
 from aisched_prefect.wire import ApprovalView
+from aisched_prefect.words import duration_in_words, time_left  # noqa: F401 - approval_page and the CLI import them here
 
 SHORT_ID = 8  # `aisched approvals list` shows this many characters of an id; any unique prefix this long resolves
 
@@ -48,25 +47,12 @@ def gpus_in_words(request: dict[str, Any]) -> str:
     return out + (f", on {hosts} hosts" if hosts and hosts > 1 else "")
 
 
-def duration_in_words(seconds: float) -> str:
-    """'1 h 5 min', '4 min 10 s', '12 s'."""
-    s = max(0, int(round(seconds)))
-    h, rest = divmod(s, 3600)
-    m, sec = divmod(rest, 60)
-    if h:
-        return f"{h} h {m} min" if m else f"{h} h"
-    if m:
-        return f"{m} min {sec} s" if sec else f"{m} min"
-    return f"{sec} s"
-
-
-def time_left(deadline: float, now: float | None = None) -> str:
-    """The deadline as a time, and how long until it: 'until 14:32:05 UTC (in 4 min 10 s)'."""
-    now = time.time() if now is None else now
-    at = datetime.fromtimestamp(deadline, timezone.utc)
-    when = at.strftime("%H:%M:%S UTC") if at.date() == datetime.fromtimestamp(now, timezone.utc).date() \
-        else at.strftime("%Y-%m-%d %H:%M:%S UTC")
-    return f"until {when} (in {duration_in_words(deadline - now)})"
+def closed(approval_id: str, v: ApprovalView) -> tuple[str, int]:
+    """What an answer to a request that is no longer open is told, and its HTTP status."""
+    if v.status == "withdrawn":
+        return (f"approval {approval_id} is gone: {v.reason}; nothing of it will run and its budget is released. "
+                "Fix: nothing to answer (the flow asks again when it runs again)", 410)
+    return f"approval {approval_id} is already {v.status}", 409
 
 
 def describe(v: ApprovalView, left: str = "") -> str:

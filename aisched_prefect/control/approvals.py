@@ -34,7 +34,7 @@ from aisched_prefect.control.approval_proof import (
     decided_in_the_log,
     identify,
 )
-from aisched_prefect.control.approval_words import SHORT_ID, budget_left, describe
+from aisched_prefect.control.approval_words import SHORT_ID, budget_left, closed, describe
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.errors import AdmissionDenied
@@ -59,7 +59,20 @@ approvals = sa.Table(
     sa.Column("reason", sa.Text, nullable=False, default=""),
     sa.Column("view", sa.JSON, nullable=False),
     sa.Column("admission", sa.JSON, nullable=False),
+    sa.Column("seen", sa.Float),  # when the flow that asked last polled for it (approval_waiters.py)
 )
+
+
+def create_table(engine: sa.Engine) -> None:
+    """The approvals table, and the columns a table of an older release lacks (two replicas may race to add one)."""
+    metadata.create_all(engine, checkfirst=True)
+    if "seen" not in {c["name"] for c in sa.inspect(engine).get_columns(approvals.name)}:
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql(f"ALTER TABLE {approvals.name} ADD COLUMN seen FLOAT")
+        except sa.exc.DBAPIError:
+            if "seen" not in {c["name"] for c in sa.inspect(engine).get_columns(approvals.name)}:
+                raise
 
 
 
@@ -69,7 +82,7 @@ class ApprovalBook:
 
     def __init__(self, ledger: Ledger, state: AuthorityState, base_url: str = "") -> None:
         self.ledger, self.state, self.base_url = ledger, state, base_url
-        metadata.create_all(ledger.engine, checkfirst=True)
+        create_table(ledger.engine)
         self.links = ApprovalLinks(ledger, base_url)  # one-time links for approvers (approval_links.py)
 
     def make_link(self, approval_id: str, approver: str) -> str:
@@ -97,7 +110,7 @@ class ApprovalBook:
             conn.execute(approvals.insert().values(
                 id=view.id, digest=call_digest, call_index=call_index, flow_run_id=view.flow_run_id,
                 task_run_id=view.task_run_id, principal=view.principal, status="pending", suspended=False,
-                deadline=view.deadline, approved_by=[], decided_by=None, reason="", view=view.model_dump(mode="json"),
+                deadline=view.deadline, seen=time.time(), approved_by=[], decided_by=None, reason="", view=view.model_dump(mode="json"),
                 admission=admission.model_dump(mode="json")))
         hook = hook_of(self.state, admission)
         if hook:
@@ -299,7 +312,7 @@ class ApprovalBook:
         `batch`: the ids one answer covers together (a signature then signs their batch digest)."""
         view = self.view(approval_id)
         if view.status not in ("pending", "suspended"):
-            raise ApprovalError(f"approval {approval_id} is already {view.status}", 409)
+            raise ApprovalError(*closed(approval_id, view))
         adm = self.admission(approval_id)
         snap, authority = authority_of(self.state, adm)
         signed = view.digest if not batch or len(batch) == 1 else batch_digest([self.view(i).digest for i in batch])

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from aisched_prefect.control.admission import Admitter
 from aisched_prefect.control.approval_desk import ApprovalDesk
+from aisched_prefect.control.approval_waiters import Waiters
 from aisched_prefect.control.approvals import ApprovalBook
 from aisched_prefect.control.calls import TOKEN_PURPOSE, CallBook, TokenSeal
 from aisched_prefect.control.configuration import Configuration
@@ -75,6 +76,7 @@ class ControlPlane:
             self._stack.callback(self.dispatcher.warm.close)  # before the client closes: bodies end, idle time settled
             self.admitter = Admitter(self.ledger, self.state, self.dispatcher.inventories, self.replica)
             self.approvals = ApprovalBook(self.ledger, self.state, base_url)
+            self.waiters = Waiters(self.approvals, settings.session_lease_seconds)
             # A completed call's result token is kept sealed under a key only the plane's key file gives.
             self.calls = CallBook(self.ledger, self.replica, base_url,
                                   seal=TokenSeal(derived_secret(self.key, TOKEN_PURPOSE)))
@@ -86,7 +88,8 @@ class ControlPlane:
             self.credentials = Credentials(self.ledger, self.state, settings)
             self.configuration = Configuration(self.ledger, self.state, self.scheduler.set_queue_weights)
             self.grants = Grants(self.ledger, self.state)
-            self.desk = ApprovalDesk(self.ledger, self.state, settings, self.approvals, self.admitter, self.dispatcher)
+            self.desk = ApprovalDesk(self.ledger, self.state, settings, self.approvals, self.admitter, self.dispatcher,
+                                     self.waiters)
             self.runs = Runs(settings, self.ledger, self.dispatcher, self.admitter, self.calls, self.outcomes,
                              self.desk, self.replica)
             self.reports = Reports(self.ledger, self.key, self.public_key, self.calls, checkpoint_dir)
@@ -107,6 +110,7 @@ class ControlPlane:
         chores: list[tuple[float, Callable[[], None]]] = [
             (settings.drift_seconds, self.configuration.record_drift),
             (min(settings.hold_lease_seconds / 3, 30.0), self.approvals.tend),  # holds of waiting requests
+            (min(settings.session_lease_seconds / 3, 5.0), self.waiters.sweep),  # requests of flows that are gone
             (settings.day_report_seconds, self.reports.publish_day_report),
             (min(settings.session_lease_seconds / 3, 5.0), self.outcomes.expire)]
         if self.checkpoint_dir is not None:

@@ -144,7 +144,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
                 loop, self._loop = self._loop, None
             try:
                 if session is not None:
-                    session.close()
+                    session.close(stopped_by(exc_type))
             finally:
                 if loop is not None:
                     loop.close()
@@ -165,6 +165,18 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
         state["_loop"] = None
         state.pop("_lock", None)
         return state
+
+
+def stopped_by(exc_type: Any) -> str:
+    """Why the flow stopped waiting, in the words its withdrawn approval requests record."""
+    name = getattr(exc_type, "__name__", "")
+    if exc_type is None:
+        return "the flow run ended while it waited"
+    if name == "KeyboardInterrupt":
+        return "the flow was interrupted (Ctrl-C)"
+    if name == "TerminationSignal":
+        return "the flow process was terminated (SIGTERM)"
+    return f"the flow run stopped ({name})"
 
 
 async def _run_ai_task(loop: LoopThread, task: Any, task_run_id: Any, parameters: dict[str, Any], wait_for: Any,

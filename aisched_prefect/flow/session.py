@@ -12,18 +12,17 @@ import asyncio
 import io
 import logging
 import threading
-import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
-from aisched_prefect.approvals import ApprovalInput, parameters_summary
-from aisched_prefect.flow.client import ControlPlaneClient, ControlPlaneError
+from aisched_prefect.approvals import parameters_summary
+from aisched_prefect.flow.approval_wait import PauseDesk
+from aisched_prefect.flow.client import ControlPlaneClient
 from aisched_prefect.flow.config import RunnerConfig
 from aisched_prefect.flow.embedded import EmbeddedControlPlane
-from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, ConfigurationError, InvalidAIRequest
+from aisched_prefect.errors import AdmissionDenied, ConfigurationError, InvalidAIRequest
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import settings
 from aisched_prefect.flow.stream import ENGINE_SLOT, CallStream, LoopThread
@@ -167,8 +166,12 @@ class RunnerSession:
         self.stream = CallStream([info["url"]], info["token"])
         self.identity = self.client.whoami()
 
-    def close(self) -> None:
+    def close(self, why: str = "the flow run ended while it waited") -> None:
+        """End the session: withdraw what still waits for a person (`why` is recorded), publish the evidence
+        artifact, close the stream, the client and an embedded plane."""
         try:
+            if getattr(self, "_desk", None) is not None:
+                self._desk.stop(why)
             if getattr(self, "client", None) is not None:
                 self._publish_artifacts()
         finally:
@@ -298,153 +301,3 @@ class RunnerSession:
                 self.client.post(f"/v1/flow-runs/{flow_run_id}/usage-artifacts")
             except Exception as exc:
                 logger.error("could not publish the usage report artifacts of flow run %s: %s", flow_run_id, exc)
-
-
-def say_waiting(view: ApprovalView) -> None:
-    """One line in the flow's log (console and Prefect UI) saying who must answer, what, and where: the person who
-    started the flow otherwise saw only Prefect's "Pausing flow"."""
-    from datetime import datetime, timezone
-
-    try:
-        from prefect.logging import get_run_logger
-
-        log: Any = get_run_logger()
-    except Exception:  # outside a run context
-        log = logger
-    who = (f"{view.approvals_required} approvers" if view.approvals_required > 1 else "an approver")
-    signed = ", signed with their key" if view.require_signature else ""
-    until = datetime.fromtimestamp(view.deadline, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    log.warning("AI task %r waits for %s%s (approval rule %r, %.4f %s held): answer at %s or with `aisched approve "
-                "%s --reason ...`; open until %s, when silence denies it", view.task_name, who, signed, view.rule,
-                view.est_cost, view.currency, view.url, view.id[:8], until)
-
-
-class PauseDesk:
-    """Waits for people's answers at the control plane, showing the wait as a Prefect pause.
-
-    One pause at a time per flow run (Prefect shows one); its form links to the
-    control plane's page, where an answer proves who gave it. When the control
-    plane has an answer, the pause is resumed from here. An answer typed into the
-    Prefect form itself is reported to the control plane (which records and
-    ignores it) and the run pauses again.
-    """
-
-    def __init__(self, session: RunnerSession) -> None:
-        self.session = session
-        self._waiting: dict[str, ApprovalView] = {}
-        self._lock = threading.Lock()
-        self._leading = False
-
-    def wait(self, view: ApprovalView, *, deployment: bool = False) -> ApprovalView:
-        client = self.session.client
-        say_waiting(view)
-        if deployment:
-            return self._suspend(view)
-        with self._lock:
-            self._waiting[view.id] = view
-        try:
-            while True:
-                current = client.approval(view.id)
-                if current.status not in ("pending", "suspended"):
-                    return current
-                with self._lock:
-                    lead = not self._leading
-                    self._leading = self._leading or lead
-                if lead:
-                    try:
-                        self._pause_once()
-                    finally:
-                        with self._lock:
-                            self._leading = False
-                else:
-                    client.approval(view.id, wait=2.0)
-        finally:
-            with self._lock:
-                self._waiting.pop(view.id, None)
-
-    def _describe(self) -> str:
-        with self._lock:
-            views = list(self._waiting.values())
-        if len(views) == 1:
-            return views[0].describe
-        total = sum(v.est_cost for v in views)
-        head = (f"**{len(views)} AI task runs of this flow run wait for approval** ({total:.4f} {views[0].currency} "
-                f"together): the page of any of them answers them all at once: [{views[0].url}]({views[0].url})")
-        return "\n\n---\n\n".join([head, *(v.describe for v in views)])
-
-    def _pause_once(self) -> None:
-        from prefect.context import FlowRunContext
-        from prefect.exceptions import FlowPauseTimeout
-        from prefect.flow_runs import pause_flow_run, resume_flow_run
-
-        client = self.session.client
-        ctx = FlowRunContext.get()
-        flow_run_id = ctx.flow_run.id if ctx and ctx.flow_run else None
-        time.sleep(0.5)  # calls that ask at about the same time (a .map()) are shown, and answered, together
-        with self._lock:
-            timeout = max(1, int(min(v.deadline for v in self._waiting.values()) - time.time()) + 2)
-        stop, resumed = threading.Event(), threading.Event()
-
-        def poll() -> None:
-            while not stop.is_set():
-                with self._lock:
-                    ids = list(self._waiting)
-                for i in ids:
-                    v = client.approval(i, wait=1.0)
-                    if v.status not in ("pending", "suspended"):
-                        while not stop.is_set():  # the form's schema is saved just after the pause: retry briefly
-                            try:
-                                resume_flow_run(flow_run_id, run_input={
-                                    "approve": v.status == "approved", "approver": v.decided_by or "control plane",
-                                    "reason": f"decided at the control plane: {v.status}"})
-                                resumed.set()
-                                return
-                            except Exception:
-                                stop.wait(0.2)
-                        return
-
-        poller = threading.Thread(target=poll, name="aisched-approval-poll", daemon=True)
-        poller.start()
-        try:
-            # poll_interval: Prefect checks every 10 s by default; a decision is seen within 0.2 s (one cheap read each).
-            answer = pause_flow_run(wait_for_input=ApprovalInput.with_initial_data(description=self._describe()),
-                                    timeout=timeout, poll_interval=0.2, key=f"aisched-approval-{uuid.uuid4().hex[:12]}")
-            stop.set()
-            poller.join(timeout=5)  # its resume may have landed a moment before it could say so
-            if not resumed.is_set():  # somebody typed into the Prefect form: it proves nothing, say so
-                with self._lock:
-                    ids = list(self._waiting)
-                for i in ids:
-                    try:
-                        client.post(f"/v1/approvals/{i}/unverified", answer.model_dump(mode="json"))
-                    except ControlPlaneError:
-                        pass
-                logger.warning("an answer typed into the Prefect form was not counted: answer on the control plane's "
-                               "page (linked in the form) or with `aisched approve`")
-        except FlowPauseTimeout:
-            pass
-        finally:
-            stop.set()
-            poller.join(timeout=5)
-
-    def _suspend(self, view: ApprovalView) -> ApprovalView:
-        """A deployment run: release the holds, suspend the flow run (its process exits), re-run on the answer."""
-        from prefect.context import FlowRunContext
-        from prefect.flow_runs import suspend_flow_run
-
-        client = self.session.client
-        current = client.approval(view.id)
-        if current.status not in ("pending", "suspended"):
-            return current
-        client.post(f"/v1/approvals/{view.id}/suspend")
-        ctx = FlowRunContext.get()
-        assert ctx is not None and ctx.flow_run is not None
-        suspend_flow_run(wait_for_input=ApprovalInput.with_initial_data(description=view.describe),
-                         flow_run_id=ctx.flow_run.id, timeout=max(1, int(view.deadline - time.time())),
-                         key=f"aisched-approval-{view.id}")
-        current = client.approval(view.id)
-        if current.status in ("pending", "suspended"):
-            raise ApprovalSuspended(
-                f"flow run {view.flow_run_id} is suspended until a person answers the approval of {view.task_name!r} "
-                f"at {view.url} (within {view.timeout_seconds}s); it then re-runs on its work pool")
-        return current
