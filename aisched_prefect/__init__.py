@@ -8,7 +8,13 @@ commands that only talk to the control plane must not pay for Prefect, Dask and 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# The temporary Prefect server a flow starts when no PREFECT_API_URL is set sends a telemetry heartbeat whose first
+# write races the new database's migration and prints a 130-line "database is locked" traceback into the flow's
+# output. Off unless the user chose (the Makefile sets the same); a dedicated `prefect server start` is untouched.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 _WHERE = {
     "ApprovalDecision": "aisched_prefect.approvals",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from prefect.exceptions import Pause
-
 
 class AISchedError(Exception):
     """Base class for every error raised by aisched_prefect."""
@@ -64,14 +62,6 @@ class ResultLost(AISchedError):
 
 class SchedulerLost(AISchedError):
     """The Dask scheduler went away while a run ran: its outcome is unknown, it was charged for the time it had."""
-
-
-class ApprovalSuspended(Pause):
-    """A deployment run was suspended to wait for a person; its process exits and the run resumes on the answer.
-
-    Not a failure: a Prefect Pause (not an Exception), so the flow run is Suspended (it holds no process and no
-    budget), its step is drawn Suspended, and the run re-runs from the start on its work pool when resumed.
-    """
 
 
 class ApprovalWithdrawn(AISchedError):

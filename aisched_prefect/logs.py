@@ -11,8 +11,12 @@ it for a result).
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from typing import Any
 
-from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, ApprovalWithdrawn
+from aisched_prefect.errors import AdmissionDenied, ApprovalWithdrawn
+from aisched_prefect.flow.approval_wait import ApprovalSuspended
 
 EXPECTED = (AdmissionDenied, ApprovalSuspended, ApprovalWithdrawn)
 _NAMES = tuple(cls.__name__ for cls in EXPECTED)
@@ -34,8 +38,26 @@ class ExpectedOutcome(logging.Filter):
 _filter = ExpectedOutcome()
 
 
+def one_line(exc_type: type[BaseException], exc: BaseException, tb: Any, previous: Any = None) -> None:
+    """`sys.excepthook` for a script whose flow ended on an expected outcome (a denial: its reason and fix are the
+    message): that message, once, instead of a 70-line traceback through Prefect's engine. AISCHED_TRACEBACK=1, or
+    any other exception, prints the whole traceback as Python does."""
+    if isinstance(exc, EXPECTED) and os.environ.get("AISCHED_TRACEBACK") != "1":
+        sys.stderr.write(f"{exc_type.__name__}: {exc}\n(the whole traceback: AISCHED_TRACEBACK=1)\n")
+        return
+    (previous or sys.__excepthook__)(exc_type, exc, tb)
+
+
 def quiet_expected_outcomes() -> None:
-    """Install the filter on Prefect's run loggers (once per process)."""
+    """Install the filter on Prefect's run loggers, and the one-line hook for a denial that ends the script (once
+    per process; a hook someone else installed is kept for everything else)."""
+    if getattr(sys.excepthook, "__name__", "") != "_aisched_one_line":
+        previous = sys.excepthook
+
+        def _aisched_one_line(exc_type: Any, exc: Any, tb: Any) -> None:
+            one_line(exc_type, exc, tb, previous)
+
+        sys.excepthook = _aisched_one_line
     for name in RUN_LOGGERS:
         logger = logging.getLogger(name)
         if _filter not in logger.filters:

@@ -136,3 +136,25 @@ def test_a_run_waiting_for_a_person_says_who_must_answer_what_and_where(caplog):
     assert "AI task 'promote' waits for 2 approvers (approval rule 'promotions', 1.2500 USD held)" in line
     assert "answer at http://127.0.0.1:8790/approve/3f2a9c81d0e4b5a6c7d8e9f0a1b2c3d4" in line
     assert "aisched approve 3f2a9c81 --reason" in line and "open until 2026-11-30 00:53 UTC" in line, line
+
+
+def test_a_denial_that_ends_the_script_prints_its_reason_and_fix_once_not_a_traceback(capsys, monkeypatch):
+    """The hook the runner installs: a denial (an expected outcome, its message the reason and the fix) is one line
+    on stderr; AISCHED_TRACEBACK=1, or any other exception, goes to the hook that was there before."""
+    import sys
+
+    from aisched_prefect.errors import AdmissionDenied
+    from aisched_prefect.logs import one_line
+
+    seen: list[type] = []
+    denied = AdmissionDenied("budget", "budget 'team-a' has 0.50 USD left", "raise the budget")
+    monkeypatch.delenv("AISCHED_TRACEBACK", raising=False)
+    one_line(AdmissionDenied, denied, None, lambda t, e, tb: seen.append(t))
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"AdmissionDenied: {denied}", "(the whole traceback: AISCHED_TRACEBACK=1)"] and not seen
+    assert str(denied).count("Fix:") == 1
+    one_line(ValueError, ValueError("x"), None, lambda t, e, tb: seen.append(t))
+    monkeypatch.setenv("AISCHED_TRACEBACK", "1")
+    one_line(AdmissionDenied, denied, None, lambda t, e, tb: seen.append(t))
+    assert seen == [ValueError, AdmissionDenied] and capsys.readouterr().err == ""
+    assert sys.excepthook is not None

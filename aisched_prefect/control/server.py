@@ -53,8 +53,10 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
                          dask_tls=Path(dask_tls) if dask_tls else None)
     info: dict[str, Any] = {"url": listen_url, "public_url": base_url, "public_key": plane.public_key, "ledger": plane.ledger.url,
                             "dask": plane.client.scheduler.address}
+    global _STOP_LEVEL
     try:
         if embedded is not None:
+            _STOP_LEVEL = logging.INFO  # the flow stops its own plane: that is not news in the flow's output
             info["token"] = _bootstrap_embedded(plane, embedded)
         else:
             token_file = config.home / "operator.token"
@@ -89,6 +91,9 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
     _exit_now()  # stopped by a signal, everything closed: the interpreter's own exit would join pools for seconds
 
 
+_STOP_LEVEL = logging.WARNING  # how `aisched serve` says it stops (an operator's service: a warning)
+
+
 def _exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -107,8 +112,8 @@ def _uvicorn_server(config: Any, on_stop: Any = None) -> Any:
             if self.should_exit:
                 logger.warning("aisched serve: %s again: exiting now", name)
                 os._exit(128 + sig)
-            logger.warning("aisched serve: %s: stopping; open requests get %.1f s, then the Dask client and the "
-                           "ledger close", name, config.timeout_graceful_shutdown)
+            logger.log(_STOP_LEVEL, "aisched serve: %s: stopping; open requests get %.1f s, then the Dask client "
+                       "and the ledger close", name, config.timeout_graceful_shutdown)
             if on_stop is not None:
                 on_stop()
             super().handle_exit(sig, frame)
@@ -134,7 +139,7 @@ def _close_within(plane: Any, seconds: float) -> None:
 
     threading.Thread(target=_close, name="aisched-close", daemon=True).start()
     if done.wait(seconds):
-        logger.warning("aisched serve: stopped")
+        logger.log(_STOP_LEVEL, "aisched serve: stopped")
         return
     logger.warning("aisched serve: stopped (closing had not finished within %.1f s; exiting without waiting)", seconds)
     _exit_now()  # the interpreter would otherwise wait on the Dask client's threads

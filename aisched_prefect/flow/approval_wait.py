@@ -20,7 +20,9 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from aisched_prefect.approvals import ApprovalInput
-from aisched_prefect.errors import ApprovalSuspended, ApprovalWithdrawn
+from prefect.exceptions import Pause
+
+from aisched_prefect.errors import ApprovalWithdrawn
 from aisched_prefect.flow.client import ControlPlaneError
 from aisched_prefect.wire import ApprovalView
 from aisched_prefect.words import time_left
@@ -60,6 +62,14 @@ def pause_message(views: list[ApprovalView]) -> str:
             else f"{len(views)} AI task runs wait ({sum(v.est_cost for v in views):.4f} {first.currency} together)")
     return (f"{what} for approval: answer at {first.url} or with `aisched approve {first.id[:8]}`; "
             "the Resume form of this page does not count")
+
+
+class ApprovalSuspended(Pause):
+    """A deployment run was suspended to wait for a person; its process exits and the run resumes on the answer.
+
+    Not a failure: a Prefect Pause (not an Exception), so the flow run is Suspended (it holds no process and no
+    budget), its step is drawn Suspended, and the run re-runs from the start on its work pool when resumed.
+    """
 
 
 class PauseDesk:

@@ -8,6 +8,7 @@ credential bound to them. It lives as long as the flow run's runner.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -29,7 +30,9 @@ class EmbeddedControlPlane:
             cmd += ["--declared", self.declared]
         if not self.queue:
             cmd.append("--no-queue")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        env = {**os.environ}  # its Dask cluster's INFO lines (nannies starting, preloads) are not the flow's output
+        env.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(self.spec) + "\n")
         self.proc.stdin.close()

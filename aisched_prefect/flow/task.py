@@ -16,7 +16,8 @@ from typing import Any, TypeVar, overload
 from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 
-from aisched_prefect.errors import AdmissionDenied, ApprovalSuspended, InvalidAIRequest, NoAdmissionContext
+from aisched_prefect.errors import AdmissionDenied, InvalidAIRequest, NoAdmissionContext
+from aisched_prefect.flow.approval_wait import ApprovalSuspended
 from dask_gpu.tickets import TicketRejected
 from aisched_prefect.request import AIRequest
 from aisched_prefect.flow.taskcontext import SYNC_TASK_ATTR, as_sync, call_context
