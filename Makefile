@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo demo-server demo-server-stop test docs bench bench-ledger clean
+.PHONY: install demo demo-server demo-server-stop test test-slow test-all docs bench bench-ledger clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,15 @@ demo-server: $(STAMP)
 demo-server-stop:
 	$(BIN)/python -m flows.demo_server down
 
+# `make test`: everything but the tests marked slow (a minute or more each: the walk-through page, the deployment,
+# the browser, the scheduler outages); `make test-slow` runs those; `make test-all` both in one run. CI runs both.
 test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest
 
 # The documentation site, built strictly into site/ (a broken link or API reference fails it).

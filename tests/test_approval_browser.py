@@ -28,6 +28,7 @@ import pytest
 from tests.approval_helpers import decision
 from tests.helpers import ask_for_training, tenant
 
+pytestmark = pytest.mark.slow
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ROOT = Path(__file__).parent.parent
 

@@ -24,7 +24,7 @@ import pytest
 from aisched_prefect.ledger import Ledger
 from flows.demo_server import NIGHTLY, DemoServer
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _free_port() -> int:

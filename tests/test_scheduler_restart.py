@@ -20,7 +20,7 @@ from aisched_prefect import ai_task
 from tests.clusterprocs import ClusterProcs
 from tests.helpers import tenant
 
-pytestmark = pytest.mark.usefixtures("prefect_api")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
 DOWN_SECONDS = 35.0  # past Dask's 30 s: a plain distributed.Client has closed for good by then
 

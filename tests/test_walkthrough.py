@@ -37,7 +37,7 @@ MARK = re.compile(r"<!--\s*walk-through:\s*(?P<what>.*?)\s*-->")
 PORTS = (4200, 8786, 8787, 8790)  # Prefect server, scheduler, scheduler's HTTP server, control plane
 DONE = "__WALK_STEP_DONE__"
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @dataclass(frozen=True)
