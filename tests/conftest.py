@@ -15,6 +15,16 @@ os.environ.setdefault("DASK_DASK_GPU__ISOLATION__MODE", "shared")
 # hold its device share and its budget room into the next test. tests/test_warm_bodies.py (and the example flows'
 # test) run planes with them on.
 os.environ.setdefault("AISCHED_MAX_KEEP_WARM_SECONDS", "0")
+# Every Dask process the suite starts (and their subprocesses, through the environment) keeps its scratch files in a
+# folder of this test process's own, never the host-wide `dask-scratch-space` in the system's temporary directory,
+# whose leftovers (another user's, or a 3,000-deep tree Dask fails to purge) must not fail the suite.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+if "DASK_TEMPORARY_DIRECTORY" not in os.environ:
+    os.environ["DASK_TEMPORARY_DIRECTORY"] = tempfile.mkdtemp(prefix="aisched-tests-dask-")
+    atexit.register(shutil.rmtree, os.environ["DASK_TEMPORARY_DIRECTORY"], True)
 
 import logging
 

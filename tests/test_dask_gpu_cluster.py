@@ -186,3 +186,15 @@ def test_a_worker_that_stopped_answering_is_left_out_of_a_broadcast_not_waited_f
         finally:
             os.kill(pid, signal.SIGCONT)
         assert len(answered) == 1, answered  # the worker still answering, without the hung one
+
+
+def test_the_suites_workers_keep_their_scratch_files_in_a_folder_of_the_suites_own(dask_client):
+    """Never the host-wide `dask-scratch-space` of the system's temporary directory: leftovers there (another
+    user's, or a 3,000-deep tree Dask cannot purge) must not fail the suite (tests/conftest.py sets the folder)."""
+    import os
+    import tempfile
+
+    ours = os.path.realpath(os.environ["DASK_TEMPORARY_DIRECTORY"])
+    assert ours != os.path.realpath(tempfile.gettempdir())
+    where = dask_client.run(lambda dask_worker: os.path.realpath(dask_worker.local_directory))
+    assert where and all(d.startswith(ours + os.sep) for d in where.values()), (ours, where)
