@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from dask_gpu.inventory import WorkerInventory
-from dask_gpu.queue_policy import Job, Running
+from dask_gpu.policies.interface import Job, Running
 from dask_gpu.request import split
 
 LEARN_SECONDS = 5.0  # how long a run waits for the plugin to learn a new worker's devices

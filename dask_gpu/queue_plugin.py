@@ -54,7 +54,8 @@ from dask_gpu.bodies import COLD_STREAM_OP
 from dask_gpu.queue_devices import UNITS, Device, DevicePlacement, Spec
 from dask_gpu.queue_membership import Membership
 from dask_gpu.queue_stream import PLACED_STREAM_OP, QueueStream  # noqa: F401 - PLACED_STREAM_OP: where callers look
-from dask_gpu.queue_policy import LIVE_HALF_LIFE, ClusterState, FinishTimeFair, Job, Policy, Running
+from dask_gpu.policies.finish_time_fair import LIVE_HALF_LIFE, FinishTimeFair
+from dask_gpu.policies.interface import ClusterState, Job, Policy, Running
 from dask_gpu.queue_warm import WarmPlacement
 
 logger = logging.getLogger("distributed.dask_gpu")

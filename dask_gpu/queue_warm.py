@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_gpu.queue_devices import Spec
-from dask_gpu.queue_policy import Job, Running
+from dask_gpu.policies.interface import Job, Running
 
 logger = logging.getLogger("distributed.dask_gpu")
 EVICT_LOOK = 16  # waiters looked at per pass when deciding what to evict (the first ones entered)

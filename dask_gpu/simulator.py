@@ -18,7 +18,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dask_gpu.queue_policy import ClusterState, Job, Policy, Running, max_min_shares
+from dask_gpu.policies.fifo import EasyBackfill
+from dask_gpu.policies.interface import ClusterState, Job, Policy, Running
+from dask_gpu.policies.placement import max_min_shares
 from dask_gpu.sim_metrics import finish_time_fairness, jain, lower_bound, percentile
 
 Sample = tuple[float, dict[str, int], dict[str, int]]  # (seconds since the first submit, GPUs running, GPUs waiting) per tenant
@@ -261,7 +263,6 @@ def alone(jobs: list[Job], durations: Mapping[int, float], hosts: int, gpus_per_
     tenants it actually contended with, on average over the time it had work) or, without `contention`, every
     tenant in `jobs`. `cache` maps (tenant, pool, policy) to the sum, so policies of one slice share runs.
     """
-    from dask_gpu.queue_policy import EasyBackfill
     from dask_gpu.sim_metrics import private_pool
 
     by_tenant: dict[str, list[Job]] = {}
