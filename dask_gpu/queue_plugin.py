@@ -62,6 +62,7 @@ logger = logging.getLogger("distributed.dask_gpu")
 PLUGIN_NAME = "dask-gpu-queue"
 LEAVE_STREAM_OP = "gpu-queue-leave"  # a run ended: sent on the client's batched stream, no round trip
 ENTER_STREAM_OP = "gpu-queue-enter"  # queue a run: on the client's batched stream, no connection held while it waits
+REQUEUE_SECONDS = 600.0  # a preempted run entered again within this keeps its first submit (its client readmits it)
 FREED_STREAM_OP = "gpu-queue-freed"  # from the worker a run is placed on, on its stream: the body ended, its devices are free
 
 
@@ -92,6 +93,9 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
         # units, GB, client)
         self.assigned: dict[int, list[tuple[str, list[str]]]] = {}  # running whole runs: (worker, device keys)
         self.fraction_runs: dict[int, tuple[Job, float, float]] = {}  # running fractions: (job, start, share)
+        self.shapes: dict[int, tuple] = {}  # running preemptible runs: what their client asked (`_shape`)
+        self.requeue: dict[int, tuple[float, str, tuple, Job]] = {}  # preempted runs: (when, client, shape, job),
+        # until their client enters them again (they keep their id and first submit) or `REQUEUE_SECONDS` pass
         self._dispatch_pending = False
         self._warm_init()
 
@@ -142,6 +146,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
             if warm and self._reuse(job, client, spec):  # an idle warm body of its key: its place, as it is
                 pass
             elif fit is not None:  # a shared device has room: start now, whatever waits for whole GPUs
+                self._book_start(job)
                 self._start_fraction(jid, client, fit[0], fit[1], spec, job)
             else:  # it opens a device: a one-GPU run for the policy
                 self.specs[jid] = spec
@@ -180,6 +185,8 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
         hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
         job = Job(id=next(self.ids), tenant=tenant, gpus=gpus, submit=time.time(), estimate=estimate,
                   priority=priority, hosts=hosts, preemptible=preemptible, width=width if width > 1 else 0)
+        if preemptible:
+            job = self._requeued(job, client)
         if spec is not None:
             self.specs[job.id] = spec
         self.answers[job.id] = asyncio.get_running_loop().create_future()
@@ -280,10 +287,38 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
             self._dispatch()
 
     # -- policy -------------------------------------------------------------------------
-    def _drop_running(self, jid: int, free: bool = True) -> None:
-        """A run ended, was preempted or lost its worker: a run that comes back is queued under a new id."""
+    def _book_start(self, job: Job) -> None:
+        """`job` starts without the policy choosing it (a fraction on a shared device, a warm body of its key): the
+        policy's books count it started now, once (queued first if it never was), and `finish` it when it ends."""
+        if self.waiters.pop(job.id, None) is None:
+            self.policy.submit(job, self.state)
+        self.policy.started([job], time.time())
+
+    def _requeued(self, job: Job, client: str) -> Job:
+        """A preemptible run entered again by the client of a run preempted alike (same tenant, GPUs, estimate,
+        priority, width) after that one left: the policy sees the same job again, its id and first submit kept,
+        so its earlier wait still counts (as the simulator requeues it)."""
+        shape = _shape(job)
+        for jid, (_, c, s, old) in self.requeue.items():
+            if c == client and s == shape and jid not in self.preempted:
+                del self.requeue[jid]
+                return Job(id=old.id, tenant=job.tenant, gpus=job.gpus, submit=old.submit, estimate=old.estimate,
+                           priority=job.priority, hosts=job.hosts, preemptible=True, width=job.width)
+        return job
+
+    def _expire_requeue(self, now: float, client: str | None = None) -> None:
+        """Preempted runs not entered again within `REQUEUE_SECONDS` (or whose client left) end in the policy."""
+        for jid, (at, c, _, job) in list(self.requeue.items()):
+            if c == client or now - at > REQUEUE_SECONDS:
+                del self.requeue[jid]
+                self.policy.finish([job], at)
+
+    def _drop_running(self, jid: int, free: bool = True, finish: bool = True) -> None:
+        """A run ended, was preempted or lost its worker: the policy is told it finished (with `finish`)."""
         run, _ = self.running.pop(jid)
-        self.policy.finish([run.job], time.time())  # when it ended: the policy learns its real run time
+        self.shapes.pop(jid, None)
+        if finish:
+            self.policy.finish([run.job], time.time())  # when it ended: the policy learns its real run time
         self._unassign(jid)
         self.specs.pop(jid, None)
         if free:
@@ -297,11 +332,13 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
             fut.set_result(worker)
 
     def _dispatch(self) -> None:
+        now = time.time()
+        if self.requeue:
+            self._expire_requeue(now)
         if not self.waiters:
             return
         if self.warm:
             self._reuse_waiting()
-        now = time.time()
         self._preempt(now)
         full: set[tuple[Spec, frozenset[int] | None]] = set()  # no shared device holds these: skip their like
         for jid in [j for j, s in self.specs.items() if s.share and j in self.waiters]:  # a shared device made room
@@ -313,8 +350,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
             if fit is None:
                 full.add((spec, job.hosts))
             else:
-                del self.waiters[jid]
-                self.policy.withdraw([job])
+                self._book_start(job)
                 self._start_fraction(jid, client, fit[0], fit[1], self.specs.pop(jid), job)
         for start in self.policy.schedule(now, self.state):
             client, job = self.waiters.pop(start.job.id)
@@ -323,8 +359,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
                 # A device an earlier start of this pass opened has room (two fractions entered in one burst, after
                 # the shared devices filled): it shares that one, and the policy gets back the GPU it counted.
                 for h, g in start.holds:
-                    self.state.free[h] += g
-                self.policy.finish([job], now)
+                    self.state.free[h] += g  # (the policy counts it started: it is `finish`ed when it ends)
                 self._start_fraction(job.id, client, fit[0], fit[1], self.specs.pop(job.id), job)
                 continue
             run = Running(start.job, start.host, now, start.gang)
@@ -336,6 +371,8 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
                 self._start_fraction(job.id, client, address, device, self.specs.pop(job.id), job)
                 continue
             self.running[job.id] = (run, client)
+            if job.preemptible:
+                self.shapes[job.id] = _shape(job)
             devices, shares = self._assign(job.id, start.holds, job.gpus, spec) if not spec.share else (None, [spec.share])
             self._answer(job.id, {"workers": [self.addresses[h] for h in start.hosts], "devices": devices,
                                   "shares": shares})
@@ -347,8 +384,12 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
         by_worker: dict[str, list[str]] = {}
         for p in self.policy.preempt(now, self.state):
             jid = p.run.job.id
-            self.preempted[jid] = (p.for_tenant, self.running[jid][1])
-            self._drop_running(jid)
+            client = self.running[jid][1]
+            self.preempted[jid] = (p.for_tenant, client)
+            shape = self.shapes.get(jid)
+            self._drop_running(jid, finish=shape is None)  # it comes back as the same job: not finished
+            if shape is not None:
+                self.requeue[jid] = (now, client, shape, p.run.job)
             self.preemptions += 1
             task = self.tasks.pop(jid, None)
             if task is not None:
@@ -356,6 +397,11 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
         for worker, keys in by_worker.items():  # the worker's stop path, as a client's request_stop takes
             msg = {"op": "gpu_stop", "keys": keys}
             asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
+
+
+def _shape(job: Job) -> tuple:
+    """What a client asks of a run, to know a preempted run when it is entered again."""
+    return (job.tenant, job.gpus, job.estimate, job.priority, job.width)
 
 
 def _fields(job: Job) -> dict[str, Any]:

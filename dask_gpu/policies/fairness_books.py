@@ -90,6 +90,7 @@ class FairnessBooks:
             took, at = self.done_by.pop(job.id)
             w = self._weight(at)
             self.done[t] -= took * w
+        self.runs.pop(job.id, None)  # (a requeued job runs no more)
         p = self.pending.setdefault(t, [0, 0.0, 0.0])
         p[0] += 1
         p[1] += job.submit

@@ -130,6 +130,12 @@ class FinishTimeFair(FairnessBooks, EasyBackfill):
         for job in jobs:
             self.alone.pop(job.id, None)
 
+    def started(self, jobs: list[Job], now: float) -> None:
+        """Started outside `schedule` (a fraction on a shared device, a warm body's reuse): counted as its own."""
+        self.remove(jobs)
+        for job in jobs:
+            self._start_books(job, now)
+
     def waiting(self) -> int:
         return self.count
 

@@ -135,6 +135,13 @@ class Policy:
         that found room on a shared device): by default, as `remove`."""
         self.remove(jobs)
 
+    def started(self, jobs: list[Job], now: float) -> None:
+        """Waiting jobs that started at `now` without `schedule` choosing them (a fraction that found room on a
+        device already shared, a run that took an idle warm body of its key): they leave the queue, and a policy
+        that keeps books counts them started, as if it had started them (each is then `finish`ed once). By
+        default, as `remove`."""
+        self.remove(jobs)
+
     def finish(self, jobs: list[Job], now: float | None = None) -> None:
         """Started jobs that ended (at `now`, when the caller knows) and will not be submitted again under their id:
         a policy forgets what it kept of them (a long-lived scheduler must not grow with every run), and may learn
