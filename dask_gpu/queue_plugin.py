@@ -54,7 +54,7 @@ from dask_gpu.bodies import COLD_STREAM_OP
 from dask_gpu.queue_devices import UNITS, Device, DevicePlacement, Spec
 from dask_gpu.queue_membership import Membership
 from dask_gpu.queue_stream import PLACED_STREAM_OP, QueueStream  # noqa: F401 - PLACED_STREAM_OP: where callers look
-from dask_gpu.policies.finish_time_fair import LIVE_HALF_LIFE, FinishTimeFair
+from dask_gpu.policies.config import PolicyConfig
 from dask_gpu.policies.interface import ClusterState, Job, Policy, Running
 from dask_gpu.queue_warm import WarmPlacement
 
@@ -74,7 +74,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
     name = PLUGIN_NAME
 
     def __init__(self, policy: Policy | None = None) -> None:
-        self.policy = policy or FinishTimeFair(half_life=LIVE_HALF_LIFE)
+        self.policy = policy or PolicyConfig.from_dask().build()  # the live configuration (also the simulator's)
         self.addresses: list[str] = []  # host index -> worker address (append-only; a gone worker keeps its index)
         self.state = ClusterState(free=[])
         self.waiters: dict[int, tuple[str, Job]] = {}  # queued: job id -> (client, job)
@@ -265,6 +265,8 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
                                                for d in ds} for a, ds in self.devices.items()},
                                "weights": dict(getattr(self.policy, "weights", {})), "preempted": self.preemptions,
                                "warm": self.warm_status(), "evicted": self.evictions,
+                               "estimate_factors": estimates.status() if (estimates := getattr(self.policy, "estimates",
+                                                                                               None)) else {},
                                "names": {a: str(ws.name) for a, ws in self.scheduler.workers.items()}}  # what people read
         if runs:
             now = time.time()

@@ -84,6 +84,7 @@ def check_books(plugin: GPUQueuePlugin) -> None:
     assert set(p.alone) == waiting | preemptible
     assert set(p.done_by) == preemptible
     assert set(p.claims) <= waiting
+    assert set(p.estimates.view) == waiting | started
 
 
 
@@ -164,7 +165,7 @@ async def drive(seed: int, steps: int) -> SpyPolicy:
         plugin.leave(key)
     check_books(plugin)
     assert policy.runs == {} and policy.alone == {} and policy.done_by == {} and policy.claims == {}
-    assert all(v[0] == 0 for v in policy.pending.values())
+    assert all(v[0] == 0 for v in policy.pending.values()) and policy.estimates.view == {}
     check_events(policy.events)
     return policy
 
@@ -227,3 +228,32 @@ def test_a_preempted_run_entered_again_keeps_its_id_and_first_submit():
         assert policy.runs == {} and policy.alone == {} and policy.done_by == {}
 
     asyncio.run(scenario())
+
+
+def test_under_declaring_plans_a_tenants_runs_on_its_worst_recent_overrun():
+    """A tenant whose run ran 10x its estimate has its waiting and later runs planned 10x (queue order, alone time,
+    backfill), so declaring short buys no place in the queue; a tenant that never overran plans on what it said.
+    The overrun counts as soon as a run passes its planned end, before it ends."""
+    from dask_gpu.policies.interface import ClusterState, Job, Running
+
+    policy, state = FinishTimeFair(), ClusterState(free=[1, 1])
+    liar = Job(1, "liar", 1, 0.0, 100.0)
+    policy.submit(liar, state)
+    (start,) = policy.schedule(0.0, state)
+    state.running.append(Running(start.job, start.host, 0.0))
+    waiting = [Job(2, "liar", 1, 1.0, 100.0), Job(3, "honest", 1, 1.0, 500.0)]
+    for job in waiting:
+        policy.submit(job, state)
+    state.free[1] = 0  # the other GPU busy: both wait
+    assert [j.id for j in policy.order(50.0, state)] == [2, 3]  # 100 s of work before 500 s
+    policy.schedule(1000.0, state)  # the liar's run is 10x past its 100 s: it counts now
+    assert policy.estimates.factor("liar") == pytest.approx(10.0) and policy.estimates.factor("honest") == 1.0
+    assert [j.id for j in policy.order(1000.0, state)] == [3, 2]  # planned 1000 s now: behind the honest 500 s
+    assert policy.estimates.planned(waiting[0]).estimate == pytest.approx(1000.0)
+    state.release(state.running[0])
+    policy.finish([liar], 1100.0)  # it ended after 1100 s: its history says 11x
+    assert policy.estimates.factor("liar") == pytest.approx(11.0)
+    later = Job(4, "liar", 1, 1200.0, 100.0)
+    policy.submit(later, state)
+    assert policy.estimates.planned(later).estimate == pytest.approx(1100.0)
+    assert FinishTimeFair(correct_estimates=False).estimates.factor("liar") == 1.0

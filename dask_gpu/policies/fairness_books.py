@@ -124,14 +124,15 @@ class FairnessBooks:
         """A preemptible job kept its alone time and its start's share of `done` in case it came back: no more.
         With `now` (when it ended), what it added to its tenant's completion and alone sums on its estimate is
         corrected to what it really ran, and its tenant's private-pool backlog gives back the time it did not use:
-        users ask for more than they need, and rho should not say a tenant is served better than it is."""
+        users ask for more than they need, and rho should not say a tenant is served better than it is. A run
+        that ran past its estimate is charged the same way (both sums grow by the overrun)."""
         for job in jobs:
             self.alone.pop(job.id, None)
             self.done_by.pop(job.id, None)
             start = self.runs.pop(job.id, None)
             if start is None or now is None or not self.learn:
                 continue
-            delta = min(max(now - start, 0.0), job.estimate) - job.estimate  # <= 0: the part it did not use
+            delta = max(now - start, 0.0) - job.estimate  # < 0: the part it did not use; > 0: its overrun
             if delta:
                 t = job.tenant
                 self.done[t] = self.done.get(t, 0.0) + delta * self._weight(start)

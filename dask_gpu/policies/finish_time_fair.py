@@ -11,6 +11,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterator
 
+from dask_gpu.policies.estimates import EstimatePlanning
 from dask_gpu.policies.fairness_books import FairnessBooks
 from dask_gpu.policies.fifo import EasyBackfill
 from dask_gpu.policies.interface import ClusterState, Job, Preemption, Start
@@ -19,7 +20,7 @@ from dask_gpu.policies.placement import Reserved, drain_times, fits_somewhere, p
 LIVE_HALF_LIFE = 7 * 24 * 3600.0  # the live queue's fairness memory halves weekly (Slurm's PriorityDecayHalfLife)
 
 
-class FinishTimeFair(FairnessBooks, EasyBackfill):
+class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
     """Ours: shortest first, except for tenants whose jobs are finishing later than they would alone.
 
     Finish-time fairness (Themis) online: each job gets, at submit, an *alone*
@@ -78,9 +79,10 @@ class FinishTimeFair(FairnessBooks, EasyBackfill):
     def __init__(self, weights: dict[str, float] | None = None, behind: float = 0.7, overdue: float = 1.5,
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
                  align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
-                 sharpness: float = 4.0) -> None:
+                 sharpness: float = 4.0, estimate_memory: float = 100.0, correct_estimates: bool = True) -> None:
         super().__init__()
         self._open_books(weights, horizon, half_life, learn)
+        self._open_estimates(estimate_memory, correct_estimates)
         self.owed = owed
         self.behind, self.overdue, self.reservations = behind, overdue, reservations
         self.due: list[tuple[float, int, Job]] = []  # heap: (when a job's own wait makes it overdue, id, job)
@@ -97,7 +99,11 @@ class FinishTimeFair(FairnessBooks, EasyBackfill):
 
     # -- the queue ----------------------------------------------------------------------
     def submit(self, job: Job, state: ClusterState) -> None:
+        job = self.estimates.plan(job)  # on its tenant's overrun factor (`estimates`)
         self._enter_books(job, state.capacity)
+        self._queue(job)
+
+    def _queue(self, job: Job) -> None:
         bisect.insort(self.queues.setdefault(job.tenant, []), ((-job.priority, job.gpus * job.estimate), job.id, job))
         if self.overdue:
             heapq.heappush(self.due, (self._due(job), job.id, job))
@@ -110,28 +116,35 @@ class FinishTimeFair(FairnessBooks, EasyBackfill):
         """When the job, still waiting, would take `overdue` x its alone time to complete."""
         return job.submit + self.overdue * self.alone[job.id] - job.estimate
 
+    def _unqueue(self, job: Job) -> None:
+        _delete(self.queues[job.tenant], ((-job.priority, job.gpus * job.estimate), job.id), job)
+        if job.id in self.is_late:
+            self.is_late.discard(job.id)
+            _delete(self.late, ((-job.priority, self._due(job)), job.id), job)
+        _delete(self.by_estimate, (-job.estimate, -job.gpus, job.id), job)
+        self.count -= 1
+        self.waiting_work -= job.gpus * job.estimate
+
     def remove(self, jobs: list[Job]) -> None:
         for job in jobs:
-            _delete(self.queues[job.tenant], ((-job.priority, job.gpus * job.estimate), job.id), job)
-            if job.id in self.is_late:
-                self.is_late.discard(job.id)
-                _delete(self.late, ((-job.priority, self._due(job)), job.id), job)
-            _delete(self.by_estimate, (-job.estimate, -job.gpus, job.id), job)
-            self.count -= 1
-            self.waiting_work -= job.gpus * job.estimate
+            job = self.estimates.planned(job)
+            self._unqueue(job)
             self._leave_books(job)  # last: a late job is found in the late list by its alone time
             self.claims.pop(job.id, None)
 
     def withdraw(self, jobs: list[Job]) -> None:
         """Jobs that leave unstarted no longer count in their tenant's alone sum (its rho stays its own)."""
+        jobs = [self.estimates.planned(j) for j in jobs]
         for job in jobs:
             self._withdraw_books(job)
         self.remove(jobs)  # first: a late job is found in the late list by its alone time
         for job in jobs:
             self.alone.pop(job.id, None)
+            self.estimates.forget(job)
 
     def started(self, jobs: list[Job], now: float) -> None:
         """Started outside `schedule` (a fraction on a shared device, a warm body's reuse): counted as its own."""
+        jobs = [self.estimates.planned(j) for j in jobs]
         self.remove(jobs)
         for job in jobs:
             self._start_books(job, now)
@@ -245,6 +258,7 @@ class FinishTimeFair(FairnessBooks, EasyBackfill):
 
     # -- one decision -------------------------------------------------------------------
     def schedule(self, now: float, state: ClusterState) -> list[Start]:
+        self._learn_running(now, state)
         starts: list[Start] = []
         reserved: Reserved = {}
         holders: set[str] = set()
