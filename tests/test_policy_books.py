@@ -257,3 +257,20 @@ def test_under_declaring_plans_a_tenants_runs_on_its_worst_recent_overrun():
     policy.submit(later, state)
     assert policy.estimates.planned(later).estimate == pytest.approx(1100.0)
     assert FinishTimeFair(correct_estimates=False).estimates.factor("liar") == 1.0
+
+
+def test_the_live_queue_and_the_simulator_read_one_policy_configuration():
+    """The plugin's default policy is PolicyConfig's, as read from Dask's config; a wrong key is named, with a fix."""
+    import dask
+
+    from dask_gpu.policies.config import PolicyConfig, PolicyConfigError
+
+    live = GPUQueuePlugin().policy
+    config = PolicyConfig()
+    assert (live.half_life, live.sharpness, live.horizon, live.tail_quiet) == (
+        config.half_life, config.sharpness, config.horizon, config.tail_quiet) == (7 * 86400.0, 4.0, 21600.0, 3600.0)
+    with dask.config.set({"dask-gpu.queue-policy": {"half-life": 86400, "sharpness": 2}}):
+        assert GPUQueuePlugin().policy.half_life == 86400 and GPUQueuePlugin().policy.sharpness == 2
+        with dask.config.set({"dask-gpu.queue-policy.sharpnes": 3}):
+            with pytest.raises(PolicyConfigError, match="sharpnes.*Fix:"):
+                GPUQueuePlugin()
