@@ -4,7 +4,7 @@
     .venv/bin/python bench/liar.py --set busy --declare 900
 
 Per slice (as bench/days.py: 8 hosts x 8 GPUs, 10 busiest tenants, jobs clipped at 6 h, user estimates), ours
-runs the slice as is (honest) and with one tenant declaring `--declare` seconds for every job (its jobs still run
+(the live configuration, `PolicyConfig`, with the live event batching) runs the slice as is (honest) and with one tenant declaring `--declare` seconds for every job (its jobs still run
 their real time). Printed: the honest tenants' mean JCT with the liar / without (target <= 1.05) and the liar's mean
 JCT lying / honest (target >= 1: lying gains nothing), for ours as it is (estimates corrected from each tenant's
 history, `dask_gpu.policies.estimates`) and for ours planning on declared estimates (the previous behaviour).
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.days import SETS  # noqa: E402
 from bench.trace import TRACE, load  # noqa: E402
-from dask_gpu.policies.finish_time_fair import FinishTimeFair  # noqa: E402
+from dask_gpu.policies.config import PolicyConfig  # noqa: E402
 from dask_gpu.simulator import simulate, with_estimates  # noqa: E402
 
 
@@ -39,8 +39,9 @@ def liar_day(day: str, declare: float, correct: bool, liar: str | None = None) -
     jobs = with_estimates(jobs, durations, "user")
     liar = liar or Counter(j.tenant for j in jobs).most_common(1)[0][0]
     lying = [dataclasses.replace(j, estimate=declare) if j.tenant == liar else j for j in jobs]
-    honest_run = simulate(jobs, durations, FinishTimeFair(correct_estimates=correct), 8, 8)
-    lying_run = simulate(lying, durations, FinishTimeFair(correct_estimates=correct), 8, 8)
+    config = PolicyConfig(correct_estimates=correct)  # the live configuration, with or without the correction
+    honest_run = simulate(jobs, durations, config.build(), 8, 8, batch=config.batch_events)
+    lying_run = simulate(lying, durations, config.build(), 8, 8, batch=config.batch_events)
     others = lambda t: t != liar  # noqa: E731
     mine = lambda t: t == liar  # noqa: E731
     return {"day": day, "liar": liar, "liar_jobs": sum(j.tenant == liar for j in jobs), "jobs": len(jobs),

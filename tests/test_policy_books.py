@@ -231,9 +231,9 @@ def test_a_preempted_run_entered_again_keeps_its_id_and_first_submit():
 
 
 def test_under_declaring_plans_a_tenants_runs_on_its_worst_recent_overrun():
-    """A tenant whose run ran 10x its estimate has its waiting and later runs planned 10x (queue order, alone time,
+    """A tenant whose run ran 11x its estimate has its waiting and later runs planned 11x (queue order, alone time,
     backfill), so declaring short buys no place in the queue; a tenant that never overran plans on what it said.
-    The overrun counts as soon as a run passes its planned end, before it ends."""
+    The overrun counts as soon as a run passes its planned end, before it ends (by doublings: 8x at 10x)."""
     from dask_gpu.policies.interface import ClusterState, Job, Running
 
     policy, state = FinishTimeFair(), ClusterState(free=[1, 1])
@@ -247,9 +247,9 @@ def test_under_declaring_plans_a_tenants_runs_on_its_worst_recent_overrun():
     state.free[1] = 0  # the other GPU busy: both wait
     assert [j.id for j in policy.order(50.0, state)] == [2, 3]  # 100 s of work before 500 s
     policy.schedule(1000.0, state)  # the liar's run is 10x past its 100 s: it counts now
-    assert policy.estimates.factor("liar") == pytest.approx(10.0) and policy.estimates.factor("honest") == 1.0
-    assert [j.id for j in policy.order(1000.0, state)] == [3, 2]  # planned 1000 s now: behind the honest 500 s
-    assert policy.estimates.planned(waiting[0]).estimate == pytest.approx(1000.0)
+    assert policy.estimates.factor("liar") == pytest.approx(8.0) and policy.estimates.factor("honest") == 1.0
+    assert [j.id for j in policy.order(1000.0, state)] == [3, 2]  # planned 800 s now: behind the honest 500 s
+    assert policy.estimates.planned(waiting[0]).estimate == pytest.approx(800.0)
     state.release(state.running[0])
     policy.finish([liar], 1100.0)  # it ended after 1100 s: its history says 11x
     assert policy.estimates.factor("liar") == pytest.approx(11.0)

@@ -27,11 +27,13 @@ queue's status (`GPUQueuePlugin.status()["estimate_factors"]`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 
 from dask_gpu.policies.interface import Job
 
 REPLAN = 1.1  # a tenant's waiting runs are planned again once its factor grew this much since they were planned
+REPLAN_BATCH = 32  # at most this many waiting runs planned again per pass, each from its tenant's queue's front
 
 
 class Estimates:
@@ -109,11 +111,13 @@ class Estimates:
 
     def running_past(self, now: float, runs: list[tuple[str, float, float, float]]) -> None:
         """Runs still running past their planned end count now: (tenant, start, planned estimate, declared) each;
-        what they ran so far, against what they declared, joins their tenant's factor until they end."""
+        what they ran so far, against what they declared (rounded down to a power of 2), joins their tenant's
+        factor until they end."""
         past: dict[str, float] = {}
         for tenant, start, planned, declared in runs:
             if now - start > planned and declared > 0:
-                past[tenant] = max(past.get(tenant, 1.0), (now - start) / declared)
+                seen = 2.0 ** math.floor(math.log2((now - start) / declared))  # by doublings: replanned seldom
+                past[tenant] = max(past.get(tenant, 1.0), seen)
         for tenant in set(past) | set(self.past_now):
             self._factors.pop(tenant, None)
         self.past_now = past
@@ -131,6 +135,7 @@ class EstimatePlanning:
     def _open_estimates(self, memory: float, correct: bool = True) -> None:
         self.estimates = Estimates(memory, correct)
         self.planned_at: dict[str, float] = {}  # tenant -> its factor when its waiting runs were last planned
+        self.stale: dict[str, set[int]] = {}  # tenant -> its waiting runs planned on an older factor (not yet again)
 
     def finish(self, jobs: list[Job], now: float | None = None) -> None:
         """As `FairnessBooks.finish`; with `now`, what each run really ran also teaches its tenant's factor."""
@@ -143,8 +148,8 @@ class EstimatePlanning:
         super().finish(jobs, now)
         for job in jobs:
             self.estimates.forget(job)
-        for tenant in {j.tenant for j in jobs}:
-            self._replan(tenant)
+        for tenant in sorted({j.tenant for j in jobs}):  # (sorted: replays do not depend on hashing)
+            self._replan(tenant, 0)  # (the next pass plans its runs again)
 
     def _learn_running(self, now: float, state) -> None:
         """Runs past their planned end count in their tenant's factor now (the first overruns of a tenant that
@@ -158,20 +163,31 @@ class EstimatePlanning:
                 past.append((r.job.tenant, r.start, known[0].estimate, known[1]))
         if past or self.estimates.past_now:
             self.estimates.running_past(now, past)
-            for tenant in {p[0] for p in past}:
-                self._replan(tenant)
+            for tenant in sorted({p[0] for p in past}):
+                self._replan(tenant, 0)
+        budget = REPLAN_BATCH
+        for tenant in [t for t, ids in self.stale.items() if ids]:
+            if budget <= 0:
+                break
+            budget -= self._replan(tenant, budget)
 
-    def _replan(self, tenant: str) -> None:
+    def _replan(self, tenant: str, budget: int) -> int:
         """The tenant's waiting runs, planned again on its factor once it grew by `REPLAN`: each keeps its alone
-        time grown by what its estimate grew, and its private pool's backlog is pushed out as much."""
+        time grown by what its estimate grew, and its private pool's backlog is pushed out as much. At most
+        `budget` runs (`REPLAN_BATCH` per pass over all tenants), from the front of its queue (the runs served next;
+        the rest in later passes), so a decision stays fast with thousands queued. How many it looked at."""
         f = self.estimates.factor(tenant)
-        if f <= self.planned_at.get(tenant, 1.0) * REPLAN:
-            return
-        self.planned_at[tenant] = f
         q = self.queues.get(tenant)
-        if not q:
-            return
-        for old, new in self.estimates.replan([e[2] for e in q]):
+        if f > self.planned_at.get(tenant, 1.0) * REPLAN:
+            self.planned_at[tenant] = f
+            if q:
+                self.stale[tenant] = {jid for _, jid, _ in q}
+        stale = self.stale.get(tenant)
+        if not stale or budget <= 0:
+            return 0
+        front = [e[2] for e in (q or [])[: 4 * budget] if e[1] in stale][:budget]
+        stale.difference_update(j.id for j in front)
+        for old, new in self.estimates.replan(front):
             claimed = self.claims.pop(old.id, None) is not None
             self._unqueue(old)  # first: a late job is found in the late list by its alone time
             grow = new.estimate - old.estimate
@@ -184,3 +200,4 @@ class EstimatePlanning:
             self._queue(new)
             if claimed:
                 self.claims[new.id] = new
+        return max(len(front), 1)

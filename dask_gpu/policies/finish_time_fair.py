@@ -131,6 +131,8 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
             self._unqueue(job)
             self._leave_books(job)  # last: a late job is found in the late list by its alone time
             self.claims.pop(job.id, None)
+            if self.stale.get(job.tenant):
+                self.stale[job.tenant].discard(job.id)
 
     def withdraw(self, jobs: list[Job]) -> None:
         """Jobs that leave unstarted no longer count in their tenant's alone sum (its rho stays its own)."""
