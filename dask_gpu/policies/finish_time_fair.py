@@ -79,7 +79,8 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
     def __init__(self, weights: dict[str, float] | None = None, behind: float = 0.7, overdue: float = 1.5,
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
                  align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
-                 sharpness: float = 4.0, estimate_memory: float = 100.0, correct_estimates: bool = True) -> None:
+                 sharpness: float = 4.0, estimate_memory: float = 100.0, correct_estimates: bool = True,
+                 turnover_hosts: int = 0, turnover_seconds: float = 3600.0) -> None:
         super().__init__()
         self._open_books(weights, horizon, half_life, learn)
         self._open_estimates(estimate_memory, correct_estimates)
@@ -96,6 +97,7 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
         self.last_any = -math.inf
         self.claims: dict[int, Job] = {}  # waiting jobs that runs were preempted for: served first
         self.sharpness = sharpness
+        self.turnover_hosts, self.turnover_seconds = turnover_hosts, turnover_seconds
 
     # -- the queue ----------------------------------------------------------------------
     def submit(self, job: Job, state: ClusterState) -> None:
@@ -266,6 +268,7 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
         holders: set[str] = set()
         looked = 0
         drain = drain_times(now, state) if self.align else None
+        quick = self._turnover(now, state, drain, reserved)
         for job in self.order(now, state):
             if max(state.free) == 0:
                 break
@@ -283,7 +286,8 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
                 break
             if len(holders) < self.reservations and job.tenant not in holders and (
                     not holders or job.tenant in self.behind_now or job.id in self.is_late or job.id in self.owed_now):
-                at, spare = reservation(job, now, with_starts(state, starts, now), exclude=reserved)  # 3.
+                at, spare = reservation(job, now, with_starts(state, starts, now),  # 3.
+                                        exclude=[h for h in reserved if h not in quick])
                 if spare:
                     reserved.update({h: [at, s] for h, s in spare.items()})
                     holders.add(job.tenant)
@@ -291,6 +295,20 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
             self._start_books(s.job, now)
         self.remove([s.job for s in starts])
         return starts
+
+
+    def _turnover(self, now: float, state: ClusterState, drain: list[float] | None, reserved: Reserved) -> set[int]:
+        """The light tenant's bound: while anyone submitted within `turnover_seconds`, the `turnover_hosts` hosts
+        that drain soonest take only runs that end within `turnover_seconds` (a reservation with no spare), so a
+        host always turns over within about that long and a small tenant's job never waits behind multi-hour
+        runs on every host. Off at the quiet end of the queue (the tail rule's time)."""
+        if not self.turnover_hosts or now - self.last_any >= self.turnover_seconds:
+            return set()
+        drain = drain or drain_times(now, state)
+        hosts = sorted((drain[h], h) for h in range(len(state.size)) if state.size[h] > 0)[: self.turnover_hosts]
+        for _, h in hosts:
+            reserved[h] = [now + self.turnover_seconds, 0]
+        return {h for _, h in hosts}
 
 
 def _delete(items: list, key: tuple, job: Job) -> None:
