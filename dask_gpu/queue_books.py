@@ -26,7 +26,7 @@ class PolicyBooks:
         """A preemptible run entered again by the client of a run preempted alike (same tenant, GPUs, estimate,
         priority, width) after that one left: the policy sees the same job again, its id and first submit kept,
         so its earlier wait still counts (as the simulator requeues it)."""
-        shape = _shape(job)
+        shape = run_shape(job)
         for jid, (_, c, s, old) in self.requeue.items():
             if c == client and s == shape and jid not in self.preempted:
                 del self.requeue[jid]
@@ -61,6 +61,6 @@ class PolicyBooks:
             asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
 
 
-def _shape(job: Job) -> tuple:
+def run_shape(job: Job) -> tuple:
     """What a client asks of a run, to know a preempted run when it is entered again."""
     return (job.tenant, job.gpus, job.estimate, job.priority, job.width)

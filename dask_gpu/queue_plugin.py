@@ -52,7 +52,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_gpu.bodies import COLD_STREAM_OP
 from dask_gpu.queue_devices import UNITS, Device, DevicePlacement, Spec
-from dask_gpu.queue_books import REQUEUE_SECONDS, PolicyBooks, _shape  # noqa: F401 - REQUEUE_SECONDS: where callers look
+from dask_gpu.queue_books import REQUEUE_SECONDS, PolicyBooks, run_shape  # noqa: F401 - REQUEUE_SECONDS: where callers look
 from dask_gpu.queue_membership import Membership
 from dask_gpu.queue_stream import PLACED_STREAM_OP, QueueStream  # noqa: F401 - PLACED_STREAM_OP: where callers look
 from dask_gpu.policies.config import PolicyConfig
@@ -93,7 +93,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
         # units, GB, client)
         self.assigned: dict[int, list[tuple[str, list[str]]]] = {}  # running whole runs: (worker, device keys)
         self.fraction_runs: dict[int, tuple[Job, float, float]] = {}  # running fractions: (job, start, share)
-        self.shapes: dict[int, tuple] = {}  # running preemptible runs: what their client asked (`_shape`)
+        self.shapes: dict[int, tuple] = {}  # running preemptible runs: what their client asked (`run_shape`)
         self.requeue: dict[int, tuple[float, str, tuple, Job]] = {}  # preempted runs: (when, client, shape, job),
         # until their client enters them again (they keep their id and first submit) or `REQUEUE_SECONDS` pass
         self._dispatch_pending = False
@@ -348,7 +348,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
                 continue
             self.running[job.id] = (run, client)
             if job.preemptible:
-                self.shapes[job.id] = _shape(job)
+                self.shapes[job.id] = run_shape(job)
             devices, shares = self._assign(job.id, start.holds, job.gpus, spec) if not spec.share else (None, [spec.share])
             self._answer(job.id, {"workers": [self.addresses[h] for h in start.hosts], "devices": devices,
                                   "shares": shares})

@@ -7,7 +7,9 @@
 - `fifo`: `Fifo` and `EasyBackfill` (the base of every policy with a reservation);
 - `fair_share`: `FairShare` (the previous default);
 - `fairness_books`: the finish-time fairness accounting `FinishTimeFair` keeps (rho per tenant);
-- `finish_time_fair`: `FinishTimeFair`, the live queue's default.
+- `estimates`: each tenant's estimates corrected from its own history (what `FinishTimeFair` plans on);
+- `finish_time_fair`: `FinishTimeFair`, the live queue's default;
+- `config`: `PolicyConfig`, the one configuration the live plugin and the simulator build it from.
 
 The simulator's baselines (`PlainDask`, `SjfEasy`, `Las2D`, `MaxMinFair`) live beside the simulator
 (`dask_gpu.sim_baselines`); `dask_gpu.queue_policy` names them all in one place.

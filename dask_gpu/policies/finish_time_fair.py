@@ -62,9 +62,14 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
     Fairness memory may fade: with `half_life`, what a tenant's jobs took and
     would have taken alone counts with a weight halving every `half_life`
     seconds, so a tenant's rho speaks of its recent weeks, not of everything
-    since the scheduler started. The live queue fades with a 7-day half-life
-    (`LIVE_HALF_LIFE`, as Slurm's PriorityDecayHalfLife); the simulator's
-    one-day slices run without (None, the default).
+    since the scheduler started. The live configuration (`config.PolicyConfig`,
+    which the plugin and the benches build it from) fades with a 7-day
+    half-life (`LIVE_HALF_LIFE`, as Slurm's PriorityDecayHalfLife); the
+    constructor's default is None (never fade).
+
+    Estimates: each job is planned on its declared estimate x its tenant's
+    overrun factor (`estimates.Estimates`, with `correct_estimates`), so
+    declaring short buys no place in the queue.
 
     No GPU is held back beyond the reservations. A heavy tenant's alone times
     are long (its private pool would be swamped), so it is rarely behind and
