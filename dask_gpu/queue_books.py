@@ -30,7 +30,7 @@ class PolicyBooks:
         for jid, (_, c, s, old) in self.requeue.items():
             if c == client and s == shape and jid not in self.preempted:
                 del self.requeue[jid]
-                return Job(id=old.id, tenant=job.tenant, gpus=job.gpus, submit=old.submit, estimate=old.estimate,
+                return Job(id=old.id, tenant=job.tenant, gpus=job.gpus, submit=old.submit, estimate=job.estimate,
                            priority=job.priority, hosts=job.hosts, preemptible=True, width=job.width)
         return job
 

@@ -65,14 +65,15 @@ class Estimates:
             self._factors[tenant] = f
         return f
     def plan(self, job: Job) -> Job:
-        """The job as the policy plans it. At its first submit: its estimate x its tenant's factor now; later (a
-        requeue) as it comes, unless it is the object planned before (its plan stands)."""
+        """The job as the policy plans it: its estimate x its tenant's factor now, at its first submit and when it
+        is entered again as declared (a preempted run's client); the object planned before, requeued, keeps its
+        plan; a requeue with another estimate (resumed with what is left) is taken as it comes."""
         known = self.view.get(job.id)
-        if known is not None:
+        if known is not None and (known[0] is job or job.estimate != known[1]):
             if known[0] is not job:  # resumed with what is left: the caller's estimate, on the plan's footing
                 self.view[job.id] = (job, known[1])
             return job
-        f = self.factor(job.tenant)
+        f = self.factor(job.tenant)  # new, or entered again as declared (a preempted run's client): planned now
         planned = dataclasses.replace(job, estimate=job.estimate * f) if f > 1.0 else job
         self.view[job.id] = (planned, job.estimate)
         return planned
