@@ -92,7 +92,8 @@ def main() -> None:
     from aisched_prefect.control.process import ControlPlaneProcess
     from blocks import AuthorityBlock, BudgetBlock, Grant
 
-    tasks = {j.id: ai_task(gpus=j.gpus, kind="training", est_seconds=j.estimate, name=f"job-{j.id}")(_sleep)
+    tasks = {j.id: ai_task(gpus=j.gpus, kind="training", est_seconds=j.estimate, name=f"job-{j.id}",
+                           hosts=-(-j.gpus // args.gpus) if is_gang(j, size) else None)(_sleep)  # a gang asks for hosts
              for j in jobs}
     by_tenant: dict[str, list[Job]] = {}
     for j in jobs:
