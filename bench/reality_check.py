@@ -12,6 +12,13 @@ the simulator (`dask_gpu.simulator`) with the same policy, estimates and
 cluster shape. Prints makespan and mean JCT of both, and real / simulated.
 
     .venv/bin/python bench/reality_check.py --jobs 30 --scale 600 [--estimates user|oracle|none]
+    .venv/bin/python bench/reality_check.py --jobs 30 --scale 600 --time-rules scaled
+
+Both sides run the live configuration (`PolicyConfig`; the simulator with the plugin's event batching). At
+600x the policy's time rules (the 6 h horizon of a tenant's pool, the 1 h quiet time before the tail rule, the
+weekly half-life) are hours of real time and never fire; `--time-rules scaled` divides them by `--scale` on
+both sides (the live queue reads them from Dask's config, `DASK_DASK_GPU__QUEUE_POLICY__...`, in the cluster's
+environment), so the rules fire as they would over the trace's day.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from bench.trace import TRACE, load  # noqa: E402
-from dask_gpu.queue_policy import FinishTimeFair, Job, is_gang  # noqa: E402
+from dask_gpu.policies.config import PolicyConfig  # noqa: E402
+from dask_gpu.queue_policy import Job, is_gang  # noqa: E402
 from dask_gpu.simulator import ESTIMATES, simulate, with_estimates  # noqa: E402
 
 MIN_SECONDS = 0.2  # the shortest sleep a job gets
@@ -50,6 +58,8 @@ def main() -> None:
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--gpus", type=int, default=2, help="GPUs per host")
     p.add_argument("--estimates", choices=ESTIMATES, default="user", help="what each task declares as est_seconds")
+    p.add_argument("--time-rules", choices=["live", "scaled"], default="live",
+                   help="the policy's time rules as live (seconds) or divided by --scale (they fire at this speed)")
     p.add_argument("--lead", type=float, default=15.0, help="seconds for every flow run to start before the first submit")
     args = p.parse_args()
 
@@ -65,7 +75,14 @@ def main() -> None:
     asked = {j.id: j.estimate for j in with_estimates(picked, durations, args.estimates, limit=21600)}
     jobs = [Job(id=j.id, tenant=j.tenant, gpus=j.gpus, submit=(j.submit - t0) / args.scale,
                 estimate=max(asked[j.id] / args.scale, real_durations[j.id])) for j in picked]
-    sim = simulate(jobs, real_durations, FinishTimeFair(), args.hosts, args.gpus)
+    live = PolicyConfig()
+    rules = {"horizon": live.horizon, "tail_quiet": live.tail_quiet, "half_life": live.half_life}
+    if args.time_rules == "scaled":
+        rules = {k: v / args.scale for k, v in rules.items() if v is not None}
+        for k, v in rules.items():  # the cluster's scheduler reads them from Dask's config
+            os.environ[f"DASK_DASK_GPU__QUEUE_POLICY__{k.upper()}"] = repr(v)
+    config = PolicyConfig(**rules)
+    sim = simulate(jobs, real_durations, config.build(), args.hosts, args.gpus, batch=config.batch_events)
 
     from prefect import flow
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
@@ -75,7 +92,8 @@ def main() -> None:
     from aisched_prefect.control.process import ControlPlaneProcess
     from blocks import AuthorityBlock, BudgetBlock, Grant
 
-    tasks = {j.id: ai_task(gpus=j.gpus, kind="training", est_seconds=j.estimate, name=f"job-{j.id}")(_sleep)
+    tasks = {j.id: ai_task(gpus=j.gpus, kind="training", est_seconds=j.estimate, name=f"job-{j.id}",
+                           hosts=-(-j.gpus // args.gpus) if is_gang(j, size) else None)(_sleep)  # a gang asks for hosts
              for j in jobs}
     by_tenant: dict[str, list[Job]] = {}
     for j in jobs:
@@ -126,7 +144,8 @@ def main() -> None:
     real_jct = sum(ends[j.id] - j.submit for j in jobs) / len(jobs)
     print(f"{len(jobs)} jobs ({len(gangs)} gangs over two workers), {len(by_tenant)} tenants, {args.hosts} hosts x "
           f"{args.gpus} GPUs, slice from {args.start}, 1 s = {args.scale:g} trace s, policy {sim.policy} "
-          f"(FinishTimeFair) live and simulated, estimates {args.estimates}")
+          f"(FinishTimeFair, the live configuration) live and simulated, estimates {args.estimates}, time rules "
+          f"{args.time_rules} (horizon {config.horizon:g} s, tail quiet {config.tail_quiet:g} s)")
     print(f"{'':12} {'makespan':>10} {'mean JCT':>10}")
     print(f"{'simulated':12} {sim.makespan:>9.2f}s {sim.mean_jct:>9.2f}s")
     print(f"{'real':12} {real_makespan:>9.2f}s {real_jct:>9.2f}s")

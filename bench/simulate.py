@@ -30,9 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.trace import TRACE, BadTime, load, offered_load  # noqa: E402
-from dask_gpu.queue_policy import (EasyBackfill, FinishTimeFair, Fifo, Las2D, MaxMinFair, PlainDask, Policy,  # noqa: E402
+from dask_gpu.queue_policy import (EasyBackfill, Fifo, Las2D, MaxMinFair, PlainDask, Policy,  # noqa: E402
                                    SjfEasy)
-from dask_gpu.simulator import ESTIMATES, Outcome, simulate, with_estimates  # noqa: E402
+from dask_gpu.policies.config import PolicyConfig  # noqa: E402
+from dask_gpu.simulator import ESTIMATES, Outcome, _unit, simulate, with_estimates  # noqa: E402
 
 BASELINES = ("easy-backfill", "sjf-easy", "las-2d", "max-min")  # what "best baseline" is taken over
 
@@ -43,22 +44,27 @@ def _hours(seconds: float) -> str:
 
 def run_slice(trace: Path, start: str, end: str, hosts: int, gpus: int, max_duration: float | None, long: str,
               tenants: int | None, preemptible: str = "none", ours: Policy | None = None,
-              baselines: bool = True, estimates: str = "user", models: bool = True) -> tuple[list[Outcome], dict]:
+              baselines: bool = True, estimates: str = "user", models: bool = True, batch: bool = False,
+              jitter: int | None = None) -> tuple[list[Outcome], dict]:
     """Every policy's outcome on one slice (rho filled in) and the slice's facts (jobs, tenants, load, dropped).
 
     `baselines`: also EASY, SJF+EASY, 2D-LAS and max-min (else EASY and ours only); `models`: also the models of
-    plain Dask and FIFO."""
+    plain Dask and FIFO; `batch`: one pass per burst of simultaneous events (the live plugin's dispatch);
+    `jitter` (a seed): a replay with a seeded 0-1 s added to every run time (estimates as for the trace)."""
     jobs, durations, dropped = load(trace, start, end, hosts, gpus, max_duration, long, tenants)
     if not jobs:
         raise SystemExit("no jobs in that slice: widen --start/--end")
-    jobs = with_estimates(jobs, durations, estimates, limit=max_duration)
+    asked = durations  # what users ask is set by the trace's run times (the oracle knows the replay's)
+    if jitter is not None:
+        durations = {k: d + _unit(jitter, k) for k, d in durations.items()}
+    jobs = with_estimates(jobs, durations if estimates == "oracle" else asked, estimates, limit=max_duration)
     if preemptible != "none":
         jobs = [dataclasses.replace(j, preemptible=True) for j in jobs]
     policies: list[Policy] = [PlainDask(hosts), Fifo()] if baselines and models else []
     policies += [EasyBackfill(), SjfEasy(), Las2D(), MaxMinFair()] if baselines else [EasyBackfill()]
-    policies.append(ours or FinishTimeFair())
+    policies.append(ours or PolicyConfig().build())  # ours: the live configuration
     cache: dict = {}
-    outcomes = [simulate(jobs, durations, p, hosts, gpus, resume_preempted=preemptible == "resume")
+    outcomes = [simulate(jobs, durations, p, hosts, gpus, resume_preempted=preemptible == "resume", batch=batch)
                 .with_fairness(jobs, durations, hosts, gpus, cache) for p in policies]
     facts = {"jobs": len(jobs), "tenants": len({j.tenant for j in jobs}), "gangs": sum(j.gpus > gpus for j in jobs),
              "offered_load": offered_load(jobs, durations, hosts * gpus, end), "dropped": dropped,
@@ -94,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--estimates", choices=ESTIMATES, default="user",
                    help="what the policies are told of each job's length: users' rounded-up limits (user), the real "
                         "duration (oracle: a bound), nothing (none: every job says the --max-duration limit)")
+    p.add_argument("--per-event", action="store_true", help="one scheduling pass per event (default: one per burst "
+                   "of simultaneous events, as the live plugin dispatches)")
     p.add_argument("--json", action="store_true", help="one JSON object per policy instead of the table")
     p.add_argument("--plot", type=Path, default=None, help="write the pictures (PNG): per-tenant running and "
                    "waiting GPUs per policy, JCT CDF, rho per tenant")
@@ -102,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"no trace at {args.trace}: pass --trace PATH to philly.csv")
     try:
         outcomes, facts = run_slice(args.trace, args.start, args.end, args.hosts, args.gpus, args.max_duration,
-                                    args.long, args.tenants, args.preemptible, estimates=args.estimates)
+                                    args.long, args.tenants, args.preemptible, estimates=args.estimates,
+                                    batch=not args.per_event)
     except BadTime as e:
         p.error(f"--start/--end: {e}")
     if args.json:

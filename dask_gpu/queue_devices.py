@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from dask_gpu.inventory import WorkerInventory
-from dask_gpu.queue_policy import Job, Running
+from dask_gpu.policies.interface import Job, Running
 from dask_gpu.request import split
 
 LEARN_SECONDS = 5.0  # how long a run waits for the plugin to learn a new worker's devices
@@ -153,7 +153,9 @@ class DevicePlacement:
 
     def _end_fraction(self, jid: int) -> None:
         address, d, units, gb, _ = self.fractions.pop(jid)
-        self.fraction_runs.pop(jid, None)
+        ran = self.fraction_runs.pop(jid, None)
+        if ran is not None:  # every fraction ends once in the policy's books (the one that opened the device too)
+            self.policy.finish([ran[0]], time.time())
         d.share -= units
         d.mem -= gb
         d.fractions.discard(jid)

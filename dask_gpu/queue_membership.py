@@ -3,6 +3,7 @@ dropped when it goes away."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -40,7 +41,9 @@ class Membership:
                             self.state.free[x] += g
             for jid in [j for j, f in self.fractions.items() if f[0] == worker]:
                 d = self.fractions.pop(jid)[1]
-                self.fraction_runs.pop(jid, None)
+                ran = self.fraction_runs.pop(jid, None)
+                if ran is not None:
+                    self.policy.finish([ran[0]], time.time())
                 if d.anchor is not None and d.anchor in self.state.running:
                     self.state.running.remove(d.anchor)
                 d.anchor = None
@@ -61,6 +64,7 @@ class Membership:
                 self._drop_running(jid)
         for jid in [j for j, f in self.fractions.items() if f[4] == client]:
             self._end_fraction(jid)
+        self._expire_requeue(time.time(), client)
         self.preempted = {j: p for j, p in self.preempted.items() if p[1] != client}
         self.keys = {k: j for k, j in self.keys.items()
                      if j in self.waiters or j in self.running or j in self.preempted or j in self.fractions}

@@ -52,9 +52,11 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_gpu.bodies import COLD_STREAM_OP
 from dask_gpu.queue_devices import UNITS, Device, DevicePlacement, Spec
+from dask_gpu.queue_books import REQUEUE_SECONDS, PolicyBooks, run_shape  # noqa: F401 - REQUEUE_SECONDS: where callers look
 from dask_gpu.queue_membership import Membership
 from dask_gpu.queue_stream import PLACED_STREAM_OP, QueueStream  # noqa: F401 - PLACED_STREAM_OP: where callers look
-from dask_gpu.queue_policy import LIVE_HALF_LIFE, ClusterState, FinishTimeFair, Job, Policy, Running
+from dask_gpu.policies.config import PolicyConfig
+from dask_gpu.policies.interface import ClusterState, Job, Policy, Running
 from dask_gpu.queue_warm import WarmPlacement
 
 logger = logging.getLogger("distributed.dask_gpu")
@@ -64,7 +66,7 @@ ENTER_STREAM_OP = "gpu-queue-enter"  # queue a run: on the client's batched stre
 FREED_STREAM_OP = "gpu-queue-freed"  # from the worker a run is placed on, on its stream: the body ended, its devices are free
 
 
-class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, SchedulerPlugin):
+class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, PolicyBooks, SchedulerPlugin):
     """Holds the cluster's queue of GPU runs and starts them with a pure policy (FinishTimeFair by default: no GPU
     held idle while a run that fits waits, beyond EASY's reservations; preemptible runs give borrowed GPUs back;
     fairness memory halving weekly)."""
@@ -72,7 +74,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
     name = PLUGIN_NAME
 
     def __init__(self, policy: Policy | None = None) -> None:
-        self.policy = policy or FinishTimeFair(half_life=LIVE_HALF_LIFE)
+        self.policy = policy or PolicyConfig.from_dask().build()  # the live configuration (also the simulator's)
         self.addresses: list[str] = []  # host index -> worker address (append-only; a gone worker keeps its index)
         self.state = ClusterState(free=[])
         self.waiters: dict[int, tuple[str, Job]] = {}  # queued: job id -> (client, job)
@@ -91,6 +93,9 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
         # units, GB, client)
         self.assigned: dict[int, list[tuple[str, list[str]]]] = {}  # running whole runs: (worker, device keys)
         self.fraction_runs: dict[int, tuple[Job, float, float]] = {}  # running fractions: (job, start, share)
+        self.shapes: dict[int, tuple] = {}  # running preemptible runs: what their client asked (`run_shape`)
+        self.requeue: dict[int, tuple[float, str, tuple, Job]] = {}  # preempted runs: (when, client, shape, job),
+        # until their client enters them again (they keep their id and first submit) or `REQUEUE_SECONDS` pass
         self._dispatch_pending = False
         self._warm_init()
 
@@ -141,6 +146,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
             if warm and self._reuse(job, client, spec):  # an idle warm body of its key: its place, as it is
                 pass
             elif fit is not None:  # a shared device has room: start now, whatever waits for whole GPUs
+                self._book_start(job)
                 self._start_fraction(jid, client, fit[0], fit[1], spec, job)
             else:  # it opens a device: a one-GPU run for the policy
                 self.specs[jid] = spec
@@ -179,6 +185,8 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
         hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
         job = Job(id=next(self.ids), tenant=tenant, gpus=gpus, submit=time.time(), estimate=estimate,
                   priority=priority, hosts=hosts, preemptible=preemptible, width=width if width > 1 else 0)
+        if preemptible:
+            job = self._requeued(job, client)
         if spec is not None:
             self.specs[job.id] = spec
         self.answers[job.id] = asyncio.get_running_loop().create_future()
@@ -257,6 +265,8 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
                                                for d in ds} for a, ds in self.devices.items()},
                                "weights": dict(getattr(self.policy, "weights", {})), "preempted": self.preemptions,
                                "warm": self.warm_status(), "evicted": self.evictions,
+                               "estimate_factors": estimates.status() if (estimates := getattr(self.policy, "estimates",
+                                                                                               None)) else {},
                                "names": {a: str(ws.name) for a, ws in self.scheduler.workers.items()}}  # what people read
         if runs:
             now = time.time()
@@ -279,10 +289,12 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
             self._dispatch()
 
     # -- policy -------------------------------------------------------------------------
-    def _drop_running(self, jid: int, free: bool = True) -> None:
-        """A run ended, was preempted or lost its worker: a run that comes back is queued under a new id."""
+    def _drop_running(self, jid: int, free: bool = True, finish: bool = True) -> None:
+        """A run ended, was preempted or lost its worker: the policy is told it finished (with `finish`)."""
         run, _ = self.running.pop(jid)
-        self.policy.finish([run.job], time.time())  # when it ended: the policy learns its real run time
+        self.shapes.pop(jid, None)
+        if finish:
+            self.policy.finish([run.job], time.time())  # when it ended: the policy learns its real run time
         self._unassign(jid)
         self.specs.pop(jid, None)
         if free:
@@ -296,11 +308,13 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
             fut.set_result(worker)
 
     def _dispatch(self) -> None:
+        now = time.time()
+        if self.requeue:
+            self._expire_requeue(now)
         if not self.waiters:
             return
         if self.warm:
             self._reuse_waiting()
-        now = time.time()
         self._preempt(now)
         full: set[tuple[Spec, frozenset[int] | None]] = set()  # no shared device holds these: skip their like
         for jid in [j for j, s in self.specs.items() if s.share and j in self.waiters]:  # a shared device made room
@@ -312,8 +326,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
             if fit is None:
                 full.add((spec, job.hosts))
             else:
-                del self.waiters[jid]
-                self.policy.withdraw([job])
+                self._book_start(job)
                 self._start_fraction(jid, client, fit[0], fit[1], self.specs.pop(jid), job)
         for start in self.policy.schedule(now, self.state):
             client, job = self.waiters.pop(start.job.id)
@@ -322,8 +335,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
                 # A device an earlier start of this pass opened has room (two fractions entered in one burst, after
                 # the shared devices filled): it shares that one, and the policy gets back the GPU it counted.
                 for h, g in start.holds:
-                    self.state.free[h] += g
-                self.policy.finish([job], now)
+                    self.state.free[h] += g  # (the policy counts it started: it is `finish`ed when it ends)
                 self._start_fraction(job.id, client, fit[0], fit[1], self.specs.pop(job.id), job)
                 continue
             run = Running(start.job, start.host, now, start.gang)
@@ -335,26 +347,14 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Sc
                 self._start_fraction(job.id, client, address, device, self.specs.pop(job.id), job)
                 continue
             self.running[job.id] = (run, client)
+            if job.preemptible:
+                self.shapes[job.id] = run_shape(job)
             devices, shares = self._assign(job.id, start.holds, job.gpus, spec) if not spec.share else (None, [spec.share])
             self._answer(job.id, {"workers": [self.addresses[h] for h in start.hosts], "devices": devices,
                                   "shares": shares})
         if self._evict_for_waiting():  # idle warm bodies held what runs wait for: the next pass places them
             self._dispatch_soon()
 
-    def _preempt(self, now: float) -> None:
-        """Stop the runs the policy takes back: their GPUs are free for this pass; their workers stop them."""
-        by_worker: dict[str, list[str]] = {}
-        for p in self.policy.preempt(now, self.state):
-            jid = p.run.job.id
-            self.preempted[jid] = (p.for_tenant, self.running[jid][1])
-            self._drop_running(jid)
-            self.preemptions += 1
-            task = self.tasks.pop(jid, None)
-            if task is not None:
-                by_worker.setdefault(self.addresses[p.run.host], []).append(task)
-        for worker, keys in by_worker.items():  # the worker's stop path, as a client's request_stop takes
-            msg = {"op": "gpu_stop", "keys": keys}
-            asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=[worker], on_error="ignore"))
 
 
 def _fields(job: Job) -> dict[str, Any]:

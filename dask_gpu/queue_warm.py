@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_gpu.queue_devices import Spec
-from dask_gpu.queue_policy import Job, Running
+from dask_gpu.policies.interface import Job, Running
 
 logger = logging.getLogger("distributed.dask_gpu")
 EVICT_LOOK = 16  # waiters looked at per pass when deciding what to evict (the first ones entered)
@@ -76,6 +76,7 @@ class WarmPlacement:
         hid = next(self._hids)
         if jid in self.running:
             run, _ = self.running.pop(jid)
+            self.shapes.pop(jid, None)
             self.policy.finish([run.job], now)  # the run is over: the policy learns its real time
             holder = Running(Job(id=hid, tenant=run.job.tenant, gpus=run.job.gpus, submit=now, estimate=keep,
                                  priority=run.job.priority, hosts=run.job.hosts), run.host, now, run.gang)
@@ -92,6 +93,7 @@ class WarmPlacement:
         elif jid in self.fractions:
             address, d, units, gb, _ = self.fractions.pop(jid)
             job = self.fraction_runs.pop(jid)[0]
+            self.policy.finish([job], now)  # the run is over: the policy learns its real time
             d.fractions.discard(jid)
             d.fractions.add(hid)  # the device stays shared (and its anchor counted) while the body keeps its share
             w = Warm(body, key, job.tenant, address, self.addresses.index(address), hid, now, device=d, units=units,
@@ -126,6 +128,7 @@ class WarmPlacement:
             elif w.gpus != job.gpus or w.run is None or w.run.gang:
                 continue
             self._forget_warm(w)
+            self._book_start(job)  # the policy counts it started (it did not choose it)
             now = time.time()
             if w.device is not None:
                 d = w.device
@@ -162,8 +165,6 @@ class WarmPlacement:
                 if not self._reuse(job, client, self.specs.get(jid) or Spec()):
                     break  # its idle bodies are where it may not run: the next pass, or a fresh device
                 line.popleft()
-                del self.waiters[jid]
-                self.policy.withdraw([job])
                 self.specs.pop(jid, None)
             if line is not None and not line:
                 del self.waiting_by_key[key]

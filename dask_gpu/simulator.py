@@ -18,7 +18,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dask_gpu.queue_policy import ClusterState, Job, Policy, Running, max_min_shares
+from dask_gpu.policies.fifo import EasyBackfill
+from dask_gpu.policies.interface import ClusterState, Job, Policy, Running
+from dask_gpu.policies.placement import max_min_shares
 from dask_gpu.sim_metrics import finish_time_fairness, jain, lower_bound, percentile
 
 Sample = tuple[float, dict[str, int], dict[str, int]]  # (seconds since the first submit, GPUs running, GPUs waiting) per tenant
@@ -132,9 +134,13 @@ class Outcome:
 
 
 def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, hosts: int, gpus_per_host: int,
-             resume_preempted: bool = False, sizes: list[int] | None = None) -> Outcome:
+             resume_preempted: bool = False, sizes: list[int] | None = None, batch: bool = False) -> Outcome:
     """Replay `jobs` (their real run times in `durations`) through `policy` on hosts x gpus_per_host
     (or hosts of the given `sizes`).
+
+    With `batch`, one scheduling pass follows each burst of simultaneous events (every end and submit at one
+    instant), as the live queue plugin dispatches once per turn of its event loop (`PolicyConfig.batch_events`);
+    without, one pass follows every event.
 
     A run the policy preempts is submitted again: from the beginning, or with
     `resume_preempted` from where it stopped (a task that checkpoints).
@@ -196,6 +202,8 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
             assert isinstance(job, Job)
             policy.submit(job, state)
             waiting_gpus[job.tenant] = waiting_gpus.get(job.tenant, 0) + job.gpus
+        if batch and events and events[0][0] == now:
+            continue  # the rest of this instant's events first: one pass for the burst
         t_dec = time.process_time()
         for stop in policy.preempt(now, state):
             run = stop.run
@@ -261,7 +269,6 @@ def alone(jobs: list[Job], durations: Mapping[int, float], hosts: int, gpus_per_
     tenants it actually contended with, on average over the time it had work) or, without `contention`, every
     tenant in `jobs`. `cache` maps (tenant, pool, policy) to the sum, so policies of one slice share runs.
     """
-    from dask_gpu.queue_policy import EasyBackfill
     from dask_gpu.sim_metrics import private_pool
 
     by_tenant: dict[str, list[Job]] = {}

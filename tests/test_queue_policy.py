@@ -231,7 +231,9 @@ def test_the_live_queue_holds_no_gpu_idle_and_gives_borrowed_gpus_back():
     import asyncio
     from types import SimpleNamespace
 
-    from dask_gpu.queue_plugin import GPUQueuePlugin
+    import time
+
+    from dask_gpu.queue_plugin import REQUEUE_SECONDS, GPUQueuePlugin
     from dask_gpu.queue_policy import FinishTimeFair
 
     stopped: list = []
@@ -265,6 +267,11 @@ def test_the_live_queue_holds_no_gpu_idle_and_gives_borrowed_gpus_back():
         assert [plugin.leave(f"a{i}") for i in range(4) if f"a{i}" != victim] == [None, None, None]
         plugin.leave("b")
         assert plugin.status()["free"] == {"tcp://w0": 2, "tcp://w1": 2} and plugin.status()["queued"] == 0
+        # The preempted run waits to be entered again by its client (keeping its first submit); one that is not
+        # within REQUEUE_SECONDS ends in the policy's books then.
+        assert len(plugin.requeue) == 1 and len(plugin.policy.alone) == 1
+        plugin._expire_requeue(time.time() + REQUEUE_SECONDS + 1.0)
+        assert plugin.requeue == {}
         # A long-lived scheduler keeps nothing of runs that ended, preemptible ones included.
         assert plugin.policy.alone == {} and plugin.policy.done_by == {} and plugin.policy.claims == {}
 

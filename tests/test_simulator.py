@@ -149,11 +149,15 @@ def test_the_examples_in_the_docstrings_hold():
     import doctest
 
     import bench.trace
+    import dask_gpu.policies.estimates
+    import dask_gpu.policies.fairness_books
+    import dask_gpu.policies.placement
     import dask_gpu.queue_policy
     import dask_gpu.sim_metrics
     import dask_gpu.simulator
 
-    for module in (bench.trace, dask_gpu.queue_policy, dask_gpu.sim_metrics, dask_gpu.simulator):
+    for module in (bench.trace, dask_gpu.policies.estimates, dask_gpu.policies.fairness_books,
+                   dask_gpu.policies.placement, dask_gpu.queue_policy, dask_gpu.sim_metrics, dask_gpu.simulator):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 

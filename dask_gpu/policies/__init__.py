@@ -1,0 +1,16 @@
+"""The queue's scheduling policies, one module each, and what they share.
+
+- `interface`: what a policy is given and answers (`Job`, `Start`, `Running`, `ClusterState`, `Preemption`) and
+  the `Policy` interface every policy implements;
+- `placement`: where a job fits now, EASY's reservation, backfill placement, gangs on whole hosts, max-min shares
+  and reclaim (the preemptions that give quotas back);
+- `fifo`: `Fifo` and `EasyBackfill` (the base of every policy with a reservation);
+- `fair_share`: `FairShare` (the previous default);
+- `fairness_books`: the finish-time fairness accounting `FinishTimeFair` keeps (rho per tenant);
+- `estimates`: each tenant's estimates corrected from its own history (what `FinishTimeFair` plans on);
+- `finish_time_fair`: `FinishTimeFair`, the live queue's default;
+- `config`: `PolicyConfig`, the one configuration the live plugin and the simulator build it from.
+
+The simulator's baselines (`PlainDask`, `SjfEasy`, `Las2D`, `MaxMinFair`) live beside the simulator
+(`dask_gpu.sim_baselines`); `dask_gpu.queue_policy` names them all in one place.
+"""

@@ -1,0 +1,61 @@
+"""The queue policy's configuration: one object the live queue plugin and the simulator both read.
+
+`PolicyConfig()` is the live configuration (what `GPUQueuePlugin` runs when given no policy, and what
+`bench/days.py`, `bench/liar.py` and `bench/decision_speed.py` run as "ours"). An operator changes it in Dask's
+config under `dask-gpu.queue-policy` (e.g. `DASK_DASK_GPU__QUEUE_POLICY__HALF_LIFE=86400` in the scheduler's
+environment, or a YAML file), read when the plugin is installed; a bench changes it with `--ours name=value`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dask.config
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dask_gpu.policies.finish_time_fair import LIVE_HALF_LIFE, FinishTimeFair
+
+CONFIG_KEY = "dask-gpu.queue-policy"
+
+
+class PolicyConfigError(ValueError):
+    """The queue policy's configuration is not valid."""
+
+
+class PolicyConfig(BaseModel):
+    """FinishTimeFair's settings (see its docstring), and how a scheduling pass follows events."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    half_life: float | None = Field(LIVE_HALF_LIFE, gt=0, description="fairness memory halves every this many seconds")
+    sharpness: float = Field(4.0, ge=0, description="how strongly a behind tenant's small jobs jump ahead")
+    behind: float = Field(0.7, gt=0, description="rho above which a tenant is behind")
+    overdue: float = Field(1.5, ge=0, description="a waiting job this x its alone time late goes first (0: off)")
+    horizon: float = Field(6 * 3600.0, gt=0, description="time rule: tenants that submitted within it share the pool")
+    tail: float = Field(1.0, ge=0, description="end-of-queue LPT: jobs this x (work left / capacity) long go first")
+    tail_quiet: float = Field(3600.0, ge=0, description="time rule: the tail rule waits this long without a submit")
+    reservations: int = Field(4, ge=1, description="EASY reservations per pass (the head and behind tenants)")
+    align: bool = True
+    learn: bool = True
+    estimate_memory: float = Field(100.0, ge=1, description="runs a tenant's overrun factor remembers")
+    correct_estimates: bool = True
+    turnover_hosts: int = Field(0, ge=0, description="hosts kept for runs that end within turnover_seconds")
+    turnover_seconds: float = Field(3600.0, gt=0, description="time rule: the light tenant's bound on a host's turnover")
+    batch_events: bool = Field(True, description="one pass per burst of simultaneous events, as the live plugin "
+                                                 "dispatches once per event-loop turn (the simulator follows it)")
+
+    @classmethod
+    def from_dask(cls, **overrides: Any) -> PolicyConfig:
+        """The configuration in Dask's config (`dask-gpu.queue-policy`), with `overrides` on top."""
+        found = dask.config.get(CONFIG_KEY, default=None) or {}
+        values = {str(k).replace("-", "_"): v for k, v in dict(found).items()} | overrides
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise PolicyConfigError(f"queue policy settings ({CONFIG_KEY}): {problems}. Fix: correct or remove "
+                                    f"those keys (see dask_gpu.policies.config.PolicyConfig)") from None
+
+    def build(self, weights: dict[str, float] | None = None) -> FinishTimeFair:
+        """The policy these settings describe."""
+        return FinishTimeFair(weights=weights, **self.model_dump(exclude={"batch_events"}))
