@@ -71,4 +71,9 @@ def live_jobs(jobs: list[str]) -> dict[str, str] | None:
     return {j: s.strip() for j, s in found.items() if j in jobs and s.strip() in LIVE}
 
 
-__all__ = ["JobEnd", "job_end", "live_jobs"]
+def slurm_end(job: str | None) -> JobEnd | None:
+    """`job_end` for a worker that ran in Slurm job `job`; None for a worker outside Slurm."""
+    return job_end(job) if job else None
+
+
+__all__ = ["JobEnd", "job_end", "live_jobs", "slurm_end"]

@@ -181,9 +181,11 @@ PartitionName=gpu Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     # --- clients -------------------------------------------------------------------------------------------
 
-    def run(self, argv: list[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-        out = subprocess.run([which(argv[0]) or argv[0], *argv[1:]], env=self.env(), capture_output=True, text=True,
-                             timeout=timeout)
+    def run(self, argv: list[str], check: bool = True, timeout: float = 30,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """A Slurm client command against this cluster (`env`: the environment a job it submits inherits)."""
+        out = subprocess.run([which(argv[0]) or argv[0], *argv[1:]], env={**(env or self.env()), "SLURM_CONF": str(self.conf)},
+                             capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
         return out
