@@ -103,7 +103,7 @@ class SlurmScaler:
 
         slurm_job_class()  # missing dask-jobqueue fails here, before anything is submitted
         self.client = await Client(self.settings.scheduler, asynchronous=True, set_as_default=False,
-                                   security=ClusterTLS(self.settings.tls_dir).security("client"))
+                                   security=ClusterTLS(Path(self.settings.tls_dir)).security("client"))
         return self
 
     async def __aexit__(self, *exc: object) -> None:

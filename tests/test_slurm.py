@@ -56,10 +56,10 @@ def job_env(cluster: ClusterProcs, slurm: SlurmCluster, scratch: Path) -> dict[s
 
 
 def start_cluster(tmp_path: Path) -> ClusterProcs:
-    cluster = ClusterProcs(tmp_path / "cluster")
+    (tmp_path / "scratch").mkdir(exist_ok=True)  # Dask's temporary-directory: the test's own, not the host's /tmp one
+    cluster = ClusterProcs(tmp_path / "cluster", env={"DASK_TEMPORARY_DIRECTORY": str(tmp_path / "scratch")})
     try:
         cluster.start_scheduler()
-        (tmp_path / "scratch").mkdir(exist_ok=True)
     except BaseException:
         cluster.close()
         raise
@@ -179,6 +179,8 @@ class Scaler:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def text(self) -> str:
+        if self.proc.poll() is not None and self.proc.returncode not in (0, -signal.SIGTERM):
+            raise AssertionError(f"dask-gpu-slurm exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
         return self.log.read_text()
 
     def lines(self, pattern: str) -> list[re.Match]:
@@ -213,7 +215,8 @@ def test_worker_jobs_follow_the_queue_and_a_cancelled_job_is_a_dead_worker(tmp_p
         scaler = Scaler(config, job_env(cluster, slurm, tmp_path / "scratch"), tmp_path / "scaler.log")
         # min_jobs: one worker job at start
         wait_for("the first worker job's worker to join",
-                 lambda: [n for n in inventories(cluster) if n.startswith("h100-a-")], timeout=120)
+                 lambda: scaler.text() is not None and [n for n in inventories(cluster) if n.startswith("h100-a-")],
+                 timeout=120)
         assert len(scaler.lines(SUBMITTED)) == 1, scaler.text()
 
         # Two runs, room for one: the second waits, a worker job is submitted for it, and it starts there.
@@ -239,7 +242,8 @@ def test_worker_jobs_follow_the_queue_and_a_cancelled_job_is_a_dead_worker(tmp_p
         (marker / "release").write_text("")
         runner.join(120)
         jobs = [m.group(1) for m in scaler.lines(SUBMITTED)]
-        assert sorted(r["job"] for r in out[0]) == sorted(jobs), (out, jobs)  # one run on each worker job
+        starts = {f.name: f.read_text() for f in marker.iterdir()}
+        assert sorted(r["job"] for r in out[0]) == sorted(jobs), (out, jobs, starts)  # one run on each worker job
         settled = [r.payload for r in cluster.plane.records(ids[0]) if r.kind == "settlement"]
         assert sorted(s["placement"]["slurm_job"] for s in settled) == sorted(jobs)
         print(f"second worker job submitted {submitted_after:.1f} s after the runs were entered")
