@@ -79,6 +79,8 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
             row["devices"] = ",".join(str(d) for d in placement.get("devices", [])) or None
             row["charged"] = money_of(p.get("settlements", []), "charged")
             row["decision"] = p.get("outcome")
+            if p.get("slurm"):  # a dead worker's Slurm job, as Slurm says it ended
+                row["decision"] += f" (Slurm job {p['slurm'].get('job')}: {p['slurm'].get('state')})"
             if p.get("attempts") and len(p["attempts"]) > 1:
                 row["decision"] += f" ({len(p['attempts']) - 1} re-run(s) refused)"
     return list(rows.values())

@@ -12,11 +12,13 @@ import getpass
 import re
 import shutil
 import subprocess
+import time
 
 from pydantic import BaseModel, ConfigDict
 
 LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
 TIMEOUT_SECONDS = 5.0
+SETTLE_SECONDS = 15.0  # how long a job still COMPLETING is asked again for its final state
 
 
 class JobEnd(BaseModel):
@@ -45,13 +47,22 @@ def _run(argv: list[str]) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def job_end(job: str) -> JobEnd:
-    """How job `job` stands or ended: `scontrol show job` (it keeps ended jobs for MinJobAge), else `sacct`."""
-    out = _run(["scontrol", "show", "job", "-o", str(job)])
-    if out:
+def job_end(job: str, settle_seconds: float = SETTLE_SECONDS) -> JobEnd:
+    """How job `job` stands or ended: `scontrol show job` (it keeps ended jobs for MinJobAge), else `sacct`.
+
+    A job whose processes are still being ended reads COMPLETING, which hides why (CANCELLED, TIMEOUT, ...): it is
+    asked again for up to `settle_seconds`, then taken as it reads."""
+    deadline = time.monotonic() + settle_seconds
+    while True:
+        out = _run(["scontrol", "show", "job", "-o", str(job)])
+        if not out:
+            break
         fields = dict(re.findall(r"(\w+)=(\S*)", out))
-        return JobEnd(job=str(job), state=fields.get("JobState", "unknown"), reason=fields.get("Reason", ""),
-                      exit_code=fields.get("ExitCode", ""))
+        end = JobEnd(job=str(job), state=fields.get("JobState", "unknown"), reason=fields.get("Reason", ""),
+                     exit_code=fields.get("ExitCode", ""))
+        if end.state != "COMPLETING" or time.monotonic() > deadline:
+            return end
+        time.sleep(0.25)
     out = _run(["sacct", "-n", "-X", "-P", "-j", str(job), "-o", "State,Reason,ExitCode"])
     if out and out.strip():
         state, _, rest = out.strip().splitlines()[0].partition("|")

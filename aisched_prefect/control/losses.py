@@ -106,7 +106,9 @@ class Losses:
         self.settle(state, charges, {"outcome": "worker-died", "error": f"worker {who} died while it ran the task{in_slurm}",
                                      "seconds": ran, "attempts": attempts, "charges": charges,
                                      "placement": {"worker": lost.get("worker"), "name": lost.get("name"),
-                                                   "devices": lost.get("devices", [])}})
+                                                   "devices": lost.get("devices", []),
+                                                   **({"slurm_job": slurm.job} if slurm else {})},
+                                     **({"slurm": slurm.model_dump()} if slurm else {})})
         logger.warning("AI task %s: worker %s died under it after %.1fs (devices %s); charged for that",
                        adm.task_name, who, ran, lost_devices)
         message = (f"the worker {who} running this task died{in_slurm} (devices {lost_devices} lost); it was charged "
