@@ -115,4 +115,4 @@ def _check_scancel(out: str, home: Path) -> None:
     assert [s["outcome"] for s in settled] == ["worker-died", "completed"], settled
     assert settled[1]["placement"]["slurm_job"] != slurm["job"]
     assert re.search(r"trained 20 steps on h100-examples-", out), out
-    assert f"Slurm job {slurm['job']}: CANCELLED" in out, out
+    assert "worker-died (Slurm job" in out and "CANCELLED)" in out, out  # the table may wrap the decision
