@@ -92,3 +92,16 @@ def test_the_configuration_file_is_checked(tmp_path):
                     "    - {name: h100, gpu_type: h100, tenant: team-a}\n")
     s = load_settings(good)
     assert s.policy.groups[0].gpu_type == "H100" and s.policy.max_jobs == 2
+
+
+def test_the_entry_point_says_what_it_needs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "dask-gpu-slurm")
+    shown = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert shown.returncode == 0 and "dask-gpu-slurm CONFIG" in shown.stdout and "idle_seconds" in shown.stdout
+    bad = subprocess.run([exe, str(tmp_path / "none.yaml")], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 1 and "dask-gpu-slurm: cannot read the scaler configuration" in bad.stderr
+    assert "Fix:" in bad.stderr and not list(tmp_path.iterdir())  # nothing started, nothing written
