@@ -67,14 +67,20 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
         elif r.kind == "approval":
             row["decision"] = f"{'approved' if p.get('approved') else 'rejected'} by {p.get('approver')}"
         elif r.kind == "worker-died":
-            row["decision"] = f"worker {p.get('name') or p.get('worker')} died (devices {_devices(p.get('devices'))})"
+            slurm = p.get("slurm") or {}
+            ended = f"; Slurm job {slurm.get('job')}: {slurm.get('state')}" if slurm else ""
+            row["decision"] = f"worker {p.get('name') or p.get('worker')} died (devices {_devices(p.get('devices'))}{ended})"
         elif r.kind == "settlement":
             placement = p.get("placement") or {}
             row["worker"] = placement.get("name") or placement.get("worker")
+            if placement.get("slurm_job"):  # read beside sacct: the Slurm job the worker ran in
+                row["worker"] = f"{row['worker']} (Slurm job {placement['slurm_job']})"
             row["address"] = placement.get("worker")
             row["devices"] = ",".join(str(d) for d in placement.get("devices", [])) or None
             row["charged"] = money_of(p.get("settlements", []), "charged")
             row["decision"] = p.get("outcome")
+            if p.get("slurm"):  # a dead worker's Slurm job, as Slurm says it ended
+                row["decision"] += f" (Slurm job {p['slurm'].get('job')}: {p['slurm'].get('state')})"
             if p.get("attempts") and len(p["attempts"]) > 1:
                 row["decision"] += f" ({len(p['attempts']) - 1} re-run(s) refused)"
     return list(rows.values())
@@ -193,12 +199,14 @@ def explain(records: list[EvidenceRecord]) -> str:
                 verdict = "APPROVED" if p.get("approved") else "REJECTED"
                 out.append(f"  [{r.seq}] {verdict} by {who} via {p.get('channel')} ({via}): {p.get('reason') or ''}")
             elif r.kind == "worker-died":
+                slurm = p.get("slurm") or {}
+                ended = f"; Slurm job {slurm.get('job')}: {slurm.get('state')} {slurm.get('reason') or ''}" if slurm else ""
                 out.append(f"  [{r.seq}] WORKER DIED: {p.get('name') or '?'} ({p.get('worker')}) with devices "
-                           f"{_devices(p.get('devices'))}, after {p.get('seconds', 0):.1f}s")
+                           f"{_devices(p.get('devices'))}, after {p.get('seconds', 0):.1f}s{ended.rstrip()}")
             elif r.kind == "settlement":
                 place = p.get("placement") or {}
                 where = (f" on {place.get('name') or place.get('worker')} devices {_devices(place.get('devices'))}"
-                         if place else "")
+                         + (f" (Slurm job {place['slurm_job']})" if place.get("slurm_job") else "") if place else "")
                 out.append(f"  [{r.seq}] SETTLED {p.get('outcome')}{where}" + (f"; error: {p['error']}" if p.get("error") else ""))
                 for m in place.get("members") or []:  # a multi-host run: each member
                     out.append(f"        member {m.get('member')}: {m.get('name') or m.get('worker')} devices "

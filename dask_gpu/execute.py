@@ -40,6 +40,7 @@ class DeviceRun(BaseModel):
     seconds: float
     source: str = "none"
     live: dict[str, DeviceState] | None = None  # NVML sample of its devices as it ended
+    slurm_job: str | None = None  # the Slurm job its worker runs in (None: not in one)
 
     @property
     def device_keys(self) -> list[str]:
@@ -151,6 +152,7 @@ class DeviceLease:
             seconds=seconds,
             source=self.plugin.inventory.source if self.plugin else "none",
             live=self.live,
+            slurm_job=self.plugin.inventory.slurm_job if self.plugin else None,
         )
 
 

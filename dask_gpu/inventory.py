@@ -13,6 +13,7 @@ import socket
 from pydantic import BaseModel, ConfigDict, Field
 
 from dask_gpu.errors import InventorySpecError
+from dask_gpu.slurm_allocation import SlurmAllocation, allocation
 
 DECLARED_ENV = "DASK_GPU_DECLARED"
 """Environment variable holding a declared inventory, e.g. ``"2 workers x 2 GPUs, 80 GB, H100"``."""
@@ -54,12 +55,18 @@ class WorkerInventory(BaseModel):
     devices: tuple[GPUDevice, ...] = ()
     source: str = "declared"  # "nvml" or "declared"
     host: str = Field(default_factory=socket.gethostname)
+    slurm_job: str | None = None  # the Slurm job this worker runs in (dask_gpu.slurm_allocation), None outside one
 
     @property
     def gpu_types(self) -> set[str]:
         return {d.gpu_type for d in self.devices}
 
     def describe(self) -> str:
+        if self.slurm_job is not None:
+            return f"{self._kinds()} (Slurm job {self.slurm_job})"
+        return self._kinds()
+
+    def _kinds(self) -> str:
         if not self.devices:
             return "no GPUs"
         kinds: dict[tuple[str, float], int] = {}
@@ -238,6 +245,8 @@ def declared_worker_inventories(spec: str, source: str = "declared GPU inventory
 def _visible_filter(devices: list[GPUDevice]) -> list[GPUDevice]:
     """Honour a CUDA_VISIBLE_DEVICES the worker process was started with."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_GPUS") is not None:
+        return devices  # Slurm's physical indexes decide (restrict_to_allocation); its CUDA_VISIBLE_DEVICES may renumber
     if visible is None or visible.strip() == "":
         return devices
     wanted = [v.strip() for v in visible.split(",") if v.strip()]
@@ -318,5 +327,38 @@ def discover(declared: str | None = None, source: str | None = None) -> WorkerIn
                 "process reads it: declare one worker here (e.g. '2 GPUs, 80 GB, H100'), "
                 "or pass the multi-worker spec to LocalGPUCluster(declared=...)"
             )
-        return inventories[0]
-    return nvml_inventory() or WorkerInventory(source="none")
+        return _in_allocation(inventories[0])
+    return _in_allocation(nvml_inventory() or WorkerInventory(source="none"))
+
+
+def _in_allocation(inventory: WorkerInventory) -> WorkerInventory:
+    found = allocation()
+    return inventory if found is None else restrict_to_allocation(inventory, found)
+
+
+def restrict_to_allocation(inventory: WorkerInventory, alloc: SlurmAllocation) -> WorkerInventory:
+    """The devices of `inventory` that Slurm job `alloc` was given, typed by its GRES, with the job id.
+
+    The inventory (NVML's, or a declared one) describes the node; the allocation's indexes pick from it. A declared
+    inventory with exactly as many GPUs as the allocation describes the job itself: its devices take the
+    allocation's indexes. A job with no GPU list (no --gres) keeps the inventory as it is.
+    """
+    devices = inventory.devices
+    if alloc.gpus is not None:
+        wanted = set(alloc.gpus)
+        picked = tuple(d for d in devices if d.index in wanted)
+        if {d.index for d in picked} == wanted:
+            devices = picked
+        elif inventory.source == "declared" and len(devices) == len(alloc.gpus) and all(d.mig is None for d in devices):
+            devices = tuple(d.model_copy(update={"index": i, "uuid": f"{d.uuid}-slurm-{i}"})
+                            for d, i in zip(devices, alloc.gpus))
+        else:
+            have = ",".join(str(d.index) for d in devices) or "none"
+            raise InventorySpecError(
+                f"Slurm job {alloc.job_id} was given GPUs {','.join(map(str, alloc.gpus))} (SLURM_JOB_GPUS), but this "
+                f"worker's {inventory.source} inventory has GPU indexes {have}. Fix: declare the node's GPUs "
+                "(--declared 'N GPUs, M GB, TYPE' with N the node's count) or exactly the job's, or check the node's "
+                "gres.conf")
+    if alloc.gpu_type:
+        devices = tuple(d.model_copy(update={"gpu_type": alloc.gpu_type}) for d in devices)
+    return inventory.model_copy(update={"devices": devices, "slurm_job": alloc.job_id})

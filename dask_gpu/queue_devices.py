@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dask_gpu.inventory import WorkerInventory
 from dask_gpu.policies.interface import Job, Running
@@ -85,7 +85,26 @@ class DevicePlacement:
         if isinstance(answer, dict) and "inventory" in answer and address in self.addresses:
             inv = WorkerInventory.model_validate(answer["inventory"])
             self.devices[address] = [Device(d.key, d.gpu_type, d.memory_gb) for d in inv.devices]
+            self._widen_waiting(address)
             self._dispatch()
+
+    def _widen_waiting(self, address: str) -> None:
+        """A worker joined: a waiting run limited to the workers that could hold it when it was admitted may run on
+        this one too where its devices hold it (type, memory; a gang: one member's share). Without this a run that
+        waits for a worker to come (a Slurm job dask-gpu-slurm submitted for it) would never start there."""
+        h = self.addresses.index(address)
+        devices = self.devices.get(address, ())
+        for jid, (client, job) in list(self.waiters.items()):
+            if job.hosts is None or h in job.hosts:
+                continue
+            spec = self.specs.get(jid, Spec())
+            need = 1 if spec.share else job.gpus // job.width if job.width > 1 else job.gpus
+            if sum(1 for d in devices if (spec.fraction_fits(d) if spec.share else spec.whole_fits(d))) < need:
+                continue
+            wider = replace(job, hosts=job.hosts | {h})
+            self.policy.withdraw([job])
+            self.waiters[jid] = (client, wider)
+            self.policy.submit(wider, self.state)
 
     async def _known(self, addresses: list[str]) -> None:
         """Wait (briefly) until the devices of `addresses` are learned."""

@@ -207,7 +207,8 @@ def run_ticketed(ticket: Ticket | None, body: Body) -> Outcome:
             plugin.renew([key], ticket.lease_seconds)
             worker.log_event(PLACED_TOPIC, {"ticket": ticket.id, "member": body.member, "key": key,
                                             "devices": [d.key for d in lease.devices],
-                                            "host": plugin.inventory.host})
+                                            "host": plugin.inventory.host,
+                                            "slurm_job": plugin.inventory.slurm_job})
             try:
                 env, why = _meet(worker, plugin, key, ticket, body.member, lease.devices) if request.gpus else ({}, None)
                 if why:

@@ -271,7 +271,8 @@ class TicketRegistry(SchedulerPlugin):
         if topic == PLACED_TOPIC and isinstance(msg, dict):
             entry = self._where.get((msg.get("ticket"), msg.get("member", 0)))
             if entry is not None:
-                entry.update(devices=list(msg.get("devices", [])), host=msg.get("host", ""))
+                entry.update(devices=list(msg.get("devices", [])), host=msg.get("host", ""),
+                             slurm_job=msg.get("slurm_job"))
         elif topic == "all" and isinstance(msg, dict) and msg.get("action") == "remove-worker":
             self._worker_died(msg.get("worker", ""), set(msg.get("processing-tasks", ())), bool(msg.get("expected")))
 

@@ -25,6 +25,9 @@ The tenant boundary (dask_gpu.isolation; dask config `dask-gpu.isolation.*`):
     --tenant-group TENANT=GID                      the group TENANT's bodies run with (isolated: the group that
                                                    owns the team's shared storage; once per tenant)
 
+Inside a Slurm job (SLURM_JOB_ID set) it advertises only the job's GPUs (SLURM_JOB_GPUS), typed by the job's
+GRES, with the job id (dask_gpu.slurm_allocation), and `--isolation auto` serves one tenant (`--tenant`, required).
+
 Every other option is `dask worker`'s own.
 """
 
@@ -139,6 +142,8 @@ dask-gpu-worker's own options (before Dask's, which follow):
   --device-nodes DIR              where this host's nvidia* device nodes are (default /dev)
   --tenant-path TENANT=PATH[:ro]  a host path TENANT's bodies may reach; once per tenant
   --tenant-group TENANT=GID       the group TENANT's bodies run with (its shared storage's); once per tenant
+Inside a Slurm job: only the job's GPUs (SLURM_JOB_GPUS), their GRES type and the job id are advertised, and
+--isolation auto serves the one --tenant (Slurm's cgroup confines the job).
 """
 
 

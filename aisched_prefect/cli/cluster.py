@@ -31,6 +31,12 @@ def inventory(declared: Optional[str] = typer.Option(None, help="Declared invent
         console.print(common.table(title, [d.model_dump() for d in inv.devices], ["index", "uuid", "name", "gpu_type", "memory_gb"]))
 
 
+def _named(w: dict) -> str:
+    """A worker's name, and the Slurm job it runs in (read beside squeue and sacct)."""
+    job = w["inventory"].get("slurm_job")
+    return f"{w['name']} (Slurm job {job})" if job else w["name"]
+
+
 def workers(as_json: bool = typer.Option(False, "--json"),
             wait: int = typer.Option(0, "--wait", min=0, help="First wait until the control plane answers and this "
                                      "many GPU workers have joined (a script that starts a cluster)."),
@@ -54,10 +60,10 @@ def workers(as_json: bool = typer.Option(False, "--json"),
         for d in w["inventory"]["devices"]:
             key = str(d["index"]) if d.get("mig") is None else f"{d['index']}:{d['mig']}"
             used, gb = w["usage"].get(key, (0.0, 0.0))
-            rows.append({"worker": w["name"], "device": key, "type": d["gpu_type"], "memory": f"{d['memory_gb']:g} GB",
+            rows.append({"worker": _named(w), "device": key, "type": d["gpu_type"], "memory": f"{d['memory_gb']:g} GB",
                          "used": f"{used:.2f} ({gb:g} GB)", "free": f"{1 - used:.2f}", "held by": ", ".join(by_device.get(key, []))})
         if not w["inventory"]["devices"]:
-            rows.append({"worker": w["name"], "device": "-", "type": "no GPUs", "memory": "", "used": "", "free": "",
+            rows.append({"worker": _named(w), "device": "-", "type": "no GPUs", "memory": "", "used": "", "free": "",
                          "held by": ""})
     console.print(common.table(f"GPU workers of {view['dask']}", rows,
                                ["worker", "device", "type", "memory", "used", "free", "held by"]))

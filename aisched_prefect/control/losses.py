@@ -13,6 +13,7 @@ from distributed import Client
 from aisched_prefect.control.running import Lost, Running, base_payload, held_by_account
 from aisched_prefect.wire import Reply
 from dask_gpu import WorkerDied
+from dask_gpu.slurm_jobs import slurm_end
 from dask_gpu.tickets import STATES_OP, WHERE_OP
 
 logger = logging.getLogger("aisched_prefect.control")
@@ -30,13 +31,15 @@ class Losses:
         if msg.get("worker"):
             threading.Thread(target=self.warm.worker_died, args=(msg["worker"],), daemon=True).start()
         devices = {r["key"]: r.get("devices", []) for r in msg.get("runs", [])}
+        slurm = {r["key"]: r["slurm_job"] for r in msg.get("runs", []) if r.get("slurm_job")}
         keys = set(msg.get("keys", [])) | set(devices)
         with self.lock:
             for r in self.running.values():
                 hit = [k for k in r.dask_keys if k in keys]
                 if hit and r.lost is None:
                     r.lost = {"worker": msg.get("worker"), "name": msg.get("name"), "keys": hit,
-                              "devices": [d for k in hit for d in devices.get(k, [])], "expected": msg.get("expected")}
+                              "devices": [d for k in hit for d in devices.get(k, [])], "expected": msg.get("expected"),
+                              **({"slurm_job": slurm[hit[0]]} if hit[0] in slurm else {})}
                     r.wake.set()
 
     def check_stuck(self, running: dict[str, Running]) -> None:
@@ -56,7 +59,8 @@ class Losses:
                 where = self._where(r)
                 member = next((m for m in where.get("members", []) if m.get("key") == key), {})
                 r.lost = {"worker": member.get("worker"), "name": member.get("name"), "keys": [key],
-                          "devices": member.get("devices", []), "found": st["state"] if st else "gone"}
+                          "devices": member.get("devices", []), "found": st["state"] if st else "gone",
+                          **({"slurm_job": member["slurm_job"]} if member.get("slurm_job") else {})}
                 r.wake.set()
 
     def _where(self, state: Running) -> dict[str, Any]:
@@ -77,7 +81,8 @@ class Losses:
         lost = next((m for m in members if m.get("worker") == worker), None) or (members[0] if members else {})
         return {"worker": worker or lost.get("worker"), "name": lost.get("name") or getattr(
             getattr(exc, "last_worker", None), "name", None), "devices": lost.get("devices", []),
-            "keys": [lost.get("key")] if lost.get("key") else []}
+            "keys": [lost.get("key")] if lost.get("key") else [],
+            **({"slurm_job": lost["slurm_job"]} if lost.get("slurm_job") else {})}
 
     def _worker_died(self, state: Running, exc: Lost) -> tuple[Reply, bytes]:
         """The worker died mid-task: record it (the worker, the devices lost), charge what can have run (at most the
@@ -90,19 +95,24 @@ class Losses:
         attempts += [{"attempt": i, "outcome": "refused: its ticket was already used (Dask re-ran it by itself)",
                       "worker": r.get("worker"), "name": r.get("name"), "member": r.get("member"), "seconds": 0.0}
                      for i, r in enumerate(where.get("refused", []), start=2)]
+        slurm = slurm_end(lost.get("slurm_job"))  # the Slurm job it ran in: how Slurm says it ended
         self.ledger.record("worker-died", {**base_payload(adm), "worker": lost.get("worker"), "name": lost.get("name"),
                                            "devices": lost.get("devices", []), "keys": lost.get("keys", []),
-                                           "seconds": ran}, **adm.ids)
+                                           "seconds": ran, **({"slurm": slurm.model_dump()} if slurm else {})},
+                           **adm.ids)
         who = lost.get("name") or lost.get("worker") or "?"
         lost_devices = ",".join(lost.get("devices") or []) or "?"
-        self.settle(state, charges, {"outcome": "worker-died", "error": f"worker {who} died while it ran the task",
+        in_slurm = f" ({slurm.describe()})" if slurm else ""
+        self.settle(state, charges, {"outcome": "worker-died", "error": f"worker {who} died while it ran the task{in_slurm}",
                                      "seconds": ran, "attempts": attempts, "charges": charges,
                                      "placement": {"worker": lost.get("worker"), "name": lost.get("name"),
-                                                   "devices": lost.get("devices", [])}})
+                                                   "devices": lost.get("devices", []),
+                                                   **({"slurm_job": slurm.job} if slurm else {})},
+                                     **({"slurm": slurm.model_dump()} if slurm else {})})
         logger.warning("AI task %s: worker %s died under it after %.1fs (devices %s); charged for that",
                        adm.task_name, who, ran, lost_devices)
-        message = (f"the worker {who} running this task died (devices {lost_devices} lost); it was charged for at "
-                   f"most {ran:.1f}s")
+        message = (f"the worker {who} running this task died{in_slurm} (devices {lost_devices} lost); it was charged "
+                   f"for at most {ran:.1f}s")
         return Reply(status="failed", admission=adm.id, error_type="dask_gpu.errors.WorkerDied",
                      error_message=message), cloudpickle.dumps(WorkerDied(message))
 

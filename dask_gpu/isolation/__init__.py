@@ -11,6 +11,9 @@ nodes). `plan_for` decides, once at the worker's start, in which mode it runs:
 - `unisolated`: it cannot isolate (not root, or no bwrap): bodies run as the worker's user, and the worker
   serves one tenant only, the one it was started for (`--tenant NAME`, required: a worker without it refuses
   to start, since a tenant learned from the first body would be forgotten when its nanny restarts it).
+- inside a Slurm job (SLURM_JOB_ID set), `auto` means `unisolated`: the worker runs as the job's user, Slurm's
+  own cgroup confines the job (its CPUs, memory and GPUs), and one worker job serves one tenant (`--tenant NAME`,
+  required), refusing every other tenant's run. `--isolation isolated` still isolates where it can (root, bwrap).
 - `shared`: the operator said so (`--isolation shared`): bodies of every tenant run as the worker's user,
   as in plain Dask. For one trusted team, or a test cluster; it is logged and advertised as such.
 
@@ -202,6 +205,8 @@ def plan_for(settings: IsolationSettings | None = None) -> IsolationPlan:
     if settings.mode == "shared":
         return IsolationPlan(mode="shared", settings=settings)
     why = can_isolate(settings) if settings.mode in ("auto", "isolated") else "the operator chose --isolation unisolated"
+    if settings.mode == "auto" and slurm_job_why():
+        why = slurm_job_why()
     if why is None:
         return IsolationPlan(mode="isolated", settings=settings)
     if settings.mode == "isolated":
@@ -214,6 +219,16 @@ def plan_for(settings: IsolationSettings | None = None) -> IsolationPlan:
                              "tenant (--tenant NAME; dask config dask-gpu.isolation.tenant), run it as root with "
                              "bubblewrap installed (isolated), or --isolation shared for one trusted team")
     return IsolationPlan(mode="unisolated", settings=settings, why=why)
+
+
+def slurm_job_why() -> str | None:
+    """Why a worker inside a Slurm job serves one tenant rather than isolating bodies (None: not in a Slurm job)."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+    if not job:
+        return None
+    user = os.environ.get("SLURM_JOB_USER") or str(os.getuid())
+    return (f"it runs in Slurm job {job} as {user}: Slurm's cgroup confines the job, and a worker job serves "
+            "one tenant")
 
 
 class TenantGate:

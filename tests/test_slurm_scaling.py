@@ -1,0 +1,107 @@
+"""The scaling policy that drives Slurm worker jobs from the queue: units (tests/test_slurm.py runs it on real Slurm)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from dask_gpu.slurm_scaler import SlurmScalerError, load_settings
+from dask_gpu.slurm_scaling import ScalingPolicy, Waiting, WorkerGroup, WorkerJob, jobs_needed, plan
+
+H100_A = WorkerGroup(name="h100-a", gpu_type="h100", gpus=2, tenant="team-a", max_jobs=3)
+H100_ANY = WorkerGroup(name="h100-any", gpu_type="H100", gpus=1, max_jobs=2)
+A10_B = WorkerGroup(name="a10-b", gpu_type="A10", gpus=1, tenant="team-b", max_jobs=2, min_jobs=1)
+
+
+def policy(*groups: WorkerGroup, max_jobs: int = 4, idle: float = 30.0) -> ScalingPolicy:
+    return ScalingPolicy(groups=groups, max_jobs=max_jobs, idle_seconds=idle)
+
+
+def run(tenant: str = "team-a", gpus: float = 1, width: int = 0, types: tuple[str, ...] | None = ("H100",)) -> Waiting:
+    return Waiting(tenant=tenant, gpus=gpus, width=width, types=types)
+
+
+def test_runs_are_packed_as_the_queue_counts_them():
+    g = H100_A  # two GPUs a job
+    assert jobs_needed(g, [run(gpus=1), run(gpus=1), run(gpus=2)]) == 2
+    assert jobs_needed(g, [run(gpus=0.25), run(gpus=0.5)]) == 1  # each waiting fraction opens a device
+    assert jobs_needed(g, [run(gpus=4, width=2)]) == 2  # a gang over two hosts: two whole jobs
+    assert jobs_needed(g, [run(gpus=1)] * 3) == 2
+
+
+def test_waiting_runs_submit_jobs_per_type_and_tenant_within_the_bounds():
+    p = policy(H100_A, A10_B, H100_ANY, max_jobs=4)
+    waiting = [run(gpus=2), run(gpus=2), run(gpus=2), run(gpus=2),  # team-a: four 2-GPU runs -> 4 jobs, max 3
+               run(tenant="team-b", types=("A10",)),                 # team-b's A10 run
+               run(tenant="team-c")]                                  # no team-c group but the any-tenant one
+    out = plan(p, waiting, [])
+    assert out.backlog == {"h100-a": 4, "a10-b": 1, "h100-any": 1}
+    # h100-a is capped by its max_jobs (3); a10-b gets its 1; the operator's max (4) leaves nothing for h100-any
+    assert out.submit == {"h100-a": 3, "a10-b": 1, "h100-any": 0}
+    assert out.unserved == 0
+
+
+def test_a_run_no_group_can_hold_submits_nothing():
+    out = plan(policy(H100_A), [run(tenant="team-b"), run(gpus=4), run(types=("A100",))], [])
+    assert out.submit == {"h100-a": 0} and out.unserved == 3
+
+
+def test_pending_jobs_and_idle_workers_count_against_the_backlog():
+    p = policy(H100_A)
+    jobs = [WorkerJob(name="p1", group="h100-a"), WorkerJob(name="w1", group="h100-a", joined=True, idle=1.0)]
+    assert plan(p, [run(gpus=2)] * 3, jobs).submit == {"h100-a": 1}
+    busy = [WorkerJob(name="w1", group="h100-a", joined=True, idle=None)]
+    assert plan(p, [run(gpus=2)], busy).submit == {"h100-a": 1}  # a busy worker holds no waiting run
+
+
+def test_min_jobs_are_kept_and_idle_workers_beyond_them_given_back():
+    p = policy(A10_B, idle=30.0)
+    assert plan(p, [], []).submit == {"a10-b": 1}  # min_jobs 1, even with nothing waiting
+    jobs = [WorkerJob(name="old", group="a10-b", joined=True, idle=100.0),
+            WorkerJob(name="new", group="a10-b", joined=True, idle=40.0)]
+    assert plan(p, [], jobs).cancel == ["old"]  # the longest idle one goes; one stays (min_jobs)
+    young = [WorkerJob(name="a", group="a10-b", joined=True, idle=5.0), WorkerJob(name="b", group="a10-b",
+                                                                                   joined=True, idle=None)]
+    assert plan(p, [], young).cancel == []  # not idle long enough, or busy
+    pending = [WorkerJob(name="k", group="a10-b", joined=True, idle=None), WorkerJob(name="p", group="a10-b")]
+    assert plan(p, [], pending).cancel == ["p"]  # a job still pending that nothing waits for
+    assert plan(p, [run(tenant="team-b", types=("A10",))], jobs).cancel == []  # a backlog keeps them all
+
+
+def test_bad_groups_are_refused_naming_the_field():
+    with pytest.raises(ValidationError, match="min_jobs 3 is more than max_jobs 2"):
+        WorkerGroup(name="x", gpu_type="H100", min_jobs=3, max_jobs=2)
+    with pytest.raises(ValidationError, match="lower-case letters"):
+        WorkerGroup(name="H100 A", gpu_type="H100")
+    with pytest.raises(ValidationError, match="unique"):
+        ScalingPolicy(groups=[H100_A, H100_A])
+    assert H100_A.gres_request == "gpu:h100:2"
+
+
+def test_the_configuration_file_is_checked(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheduler: tls://x:1\ntls_dir: /t\ntrust_keys: [k]\npolicy: {groups: [{name: a, gpu_type: H100, "
+                   "gpus: 0}]}\n")
+    with pytest.raises(SlurmScalerError, match=r"policy\.groups\.0\.gpus: Input should be greater than or equal to 1"
+                                               r".*Fix:"):
+        load_settings(bad)
+    with pytest.raises(SlurmScalerError, match=r"cannot read .*missing\.yaml.*Fix:"):
+        load_settings(tmp_path / "missing.yaml")
+    good = tmp_path / "good.yaml"
+    good.write_text("scheduler: tls://x:1\ntls_dir: /t\ntrust_keys: [k]\npolicy:\n  max_jobs: 2\n  groups:\n"
+                    "    - {name: h100, gpu_type: h100, tenant: team-a}\n")
+    s = load_settings(good)
+    assert s.policy.groups[0].gpu_type == "H100" and s.policy.max_jobs == 2
+
+
+def test_the_entry_point_says_what_it_needs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "dask-gpu-slurm")
+    shown = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert shown.returncode == 0 and "dask-gpu-slurm CONFIG" in shown.stdout and "idle_seconds" in shown.stdout
+    bad = subprocess.run([exe, str(tmp_path / "none.yaml")], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 1 and "dask-gpu-slurm: cannot read the scaler configuration" in bad.stderr
+    assert "Fix:" in bad.stderr and not list(tmp_path.iterdir())  # nothing started, nothing written
