@@ -106,6 +106,7 @@ class Runs:
         self.calls, self.outcomes, self.desk, self.replica = calls, outcomes, desk, replica
         self._flight_lock = threading.Lock()
         self._in_flight: dict[str, tuple[int, int]] = {}  # credential id -> (runs, body bytes) accepted, not ended
+        self._mine: set[str] = set()  # keys this process claimed and has not filed done (admitting, running, filing)
         self._admitting = ThreadPoolExecutor(max_workers=settings.admission_threads, thread_name_prefix="aisched-admit")
 
     def close(self) -> None:
@@ -167,11 +168,22 @@ class Runs:
         key = call_key(who(cred), meta.task_run_id, meta.attempt, meta.admission)
         claim, row = self.calls.claim(key)
         filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
-        if claim == "busy":
-            if row.replica == self.replica and session is not None and self.dispatcher.has_call(key):
+        if claim == "busy" and row.replica == self.replica:
+            with self._flight_lock:
+                earlier_life = key not in self._mine
+            if earlier_life:  # claimed under this name by an earlier process (a restart, a container's pid 1)
+                claim = "takeover"
+            elif session is not None and self.dispatcher.has_call(key):
                 self.outcomes.expect(key, session, who(cred))  # a flow re-attaching to a run it already submitted
                 return Reply(status="accepted", key=key), b""
+            else:
+                raise Busy("this control plane is still admitting or filing this call: wait for it (the client "
+                           "retries)")
+        elif claim == "busy":
             raise Busy(f"this call is running on replica {row.replica}: wait for it (the client retries)")
+        if claim in ("new", "takeover"):
+            with self._flight_lock:
+                self._mine.add(key)
         if claim == "done" and session is not None and self.outcomes.holds(session, key):
             return Reply(status="accepted", key=key), b""  # sent again after a cut: its outcome is on the stream
         if claim == "done":  # its reply was lost in transit (or this replica restarted): never run it twice
@@ -197,12 +209,18 @@ class Runs:
                 admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds,
                                         function_digest)
         except _Early as early:
-            self.calls.done(key, early.reply.model_dump(mode="json"))
+            try:
+                self.calls.done(key, early.reply.model_dump(mode="json"))
+            finally:  # not filed (the database went): a retry here continues the claim as an earlier life's
+                self._forget(key)
             return early.reply.model_copy(update={"key": key}), b""
         except CallTakenOver as exc:  # nothing of this admission committed: the call is the other replica's
             raise Busy(f"{exc}: wait for it (the client retries)") from None
         except BaseException:
-            self.calls.release(key)
+            try:
+                self.calls.release(key)
+            finally:
+                self._forget(key)
             raise
         if admission.id not in filed:  # taken over, or continued after an approval: filed here
             self.calls.admitted(key, admission.model_dump(mode="json"))
@@ -245,9 +263,15 @@ class Runs:
         reply = reply.model_copy(update={"key": key, "result_digest": result_digest(out) if out else reply.result_digest})
         try:
             self.calls.done(key, reply.model_dump(mode="json"))
-        except Exception:  # the outcome still reaches its caller; the call book is retried by a takeover
+        except Exception:  # the outcome still reaches its caller; this process keeps the key as its own (no rerun)
             logger.exception("could not file the reply of call %s", key)
+        else:
+            self._forget(key)
         self.outcomes.put(key, reply, out)
+
+    def _forget(self, key: str) -> None:
+        with self._flight_lock:
+            self._mine.discard(key)
 
     def _admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str,
                args_digest: str, on_admitted: Callable[[Any, Admission], None], function_digest: str) -> Admission:

@@ -20,6 +20,7 @@ The HTTP app (app.py) is a thin shell that calls the part owning each act.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
@@ -56,6 +57,9 @@ class ControlPlane:
         self.settings = settings
         self.base_url = base_url
         self.replica = replica or f"{os.uname().nodename}-{os.getpid()}"
+        # This process's life: a restarted plane (same name: a container's pid 1) is told apart by it, so a flow
+        # sends it the calls its earlier life accepted and lost with its memory.
+        self.instance = uuid.uuid4().hex
         self.checkpoint_dir = checkpoint_dir
         self.queue = queue
         self._stack = ExitStack()
