@@ -169,8 +169,9 @@ class Runs:
         claim, row = self.calls.claim(key)
         filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
         if claim == "busy" and row.replica == self.replica:
-            with self._flight_lock:
+            with self._flight_lock:  # checked and taken at once: two resends of it here take it over once
                 earlier_life = key not in self._mine
+                self._mine.add(key)
             if earlier_life:  # claimed under this name by an earlier process (a restart, a container's pid 1)
                 claim = "takeover"
             elif session is not None and self.dispatcher.has_call(key):

@@ -86,8 +86,9 @@ class ControlPlaneClient:
                 except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
                     last = exc
                     continue
-                if resp.status_code == 409 and "replica" in resp.text:
-                    last = "busy on another replica"
+                if resp.status_code == 409 and "the client retries" in resp.text:  # Busy: in flight, ask again
+                    last = ("busy on another replica" if len(self.urls) > 1
+                            else "busy: the control plane was still admitting or running it")
                     break
                 self._preferred = k
                 raise_for_problem(resp)

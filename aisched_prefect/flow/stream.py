@@ -30,7 +30,8 @@ import httpx
 
 from aisched_prefect.control.outcomes import result_digest
 from aisched_prefect.flow.direct import fetch_result, lost_report
-from aisched_prefect.errors import AISchedError, RequestTooLarge, ResultLost, ResultMismatch, RunLost  # noqa: F401 - ResultMismatch: its old home
+from aisched_prefect.errors import (AISchedError, RequestTooLarge, ResultLost,  # noqa: F401 - ResultMismatch: its old home
+                                    ResultMismatch, RunLost)
 from aisched_prefect.flow.following import Following
 from aisched_prefect.wire import FRAME, CallMeta, OutcomesOut, Reply, RunIn, RunsIn, frame, unframe
 
@@ -136,7 +137,8 @@ class LoopThread:
 
 def call_size(meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> int:
     """The bytes one call adds to a runs request (its head's share, its function, its arguments)."""
-    return len(RunIn(meta=meta, function=0, args_length=len(args_bytes)).model_dump_json()) + len(fn_bytes) + len(args_bytes) + 64
+    head = len(RunIn(meta=meta, function=0, args_length=len(args_bytes)).model_dump_json()) + 64
+    return head + len(fn_bytes) + len(args_bytes)
 
 
 def _chain(task: asyncio.Task[Any], out: concurrent.futures.Future[Any]) -> None:
@@ -146,6 +148,33 @@ def _chain(task: asyncio.Task[Any], out: concurrent.futures.Future[Any]) -> None
         out.set_exception(task.exception())  # type: ignore[arg-type]
     else:
         out.set_result(task.result())
+
+
+class CallLimit:
+    """The largest call the plane takes (AISCHED_MAX_CALL_BYTES, as its /v1/whoami says; learnt once per flow
+    process). A larger call fails in the flow at once, naming the limit and its setting. Why: the plane answers
+    an oversized body 413, but a client still sending 40 MB may see its connection end first and retry for minutes
+    as if the plane were down."""
+
+    def __init__(self) -> None:
+        self.bytes: int | None = None  # None: unknown (the plane still refuses an oversized call itself)
+        self._learnt: asyncio.Future[None] | None = None
+
+    async def check(self, send: Any, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> None:
+        if self._learnt is None:
+            self._learnt = asyncio.ensure_future(self._learn(send))
+        await asyncio.shield(self._learnt)
+        size = call_size(meta, fn_bytes, args_bytes)
+        if self.bytes is not None and size > self.bytes:
+            raise RequestTooLarge("/v1/runs", size, self.bytes, "AISCHED_MAX_CALL_BYTES")
+
+    async def _learn(self, send: Any) -> None:
+        try:
+            _, resp = await send("GET", "/v1/whoami")
+            said = resp.json().get("max_call_bytes")
+            self.bytes = said if isinstance(said, int) and said > 0 else None
+        except Exception:  # noqa: BLE001 - unknown: the plane still refuses an oversized call itself (413)
+            logger.debug("could not learn the control plane's AISCHED_MAX_CALL_BYTES", exc_info=True)
 
 
 class CallStream:
@@ -170,14 +199,13 @@ class CallStream:
         self._arrived: dict[str, tuple[Reply, bytes]] = {}
         self._next = 0  # the replica the next batch goes to first
         self._down: dict[int, float] = {}  # replica -> until when it is skipped (it stopped answering)
-        self._accepted_at: dict[str, tuple[int, str]] = {}  # call key -> the replica (and its instance) that accepted it
+        self._accepted_at: dict[str, tuple[int, str]] = {}  # call key -> the replica (and its life) that accepted it
         self._follow = Following()  # replica -> the keys it follows for us, and the life of it that accepted each
         self._after: dict[int, int] = {}  # replica -> the last outcome seq seen from it
         self._pollers: dict[int, asyncio.Task[None]] = {}
         self._sent: dict[str, tuple[CallMeta, bytes, bytes]] = {}  # accepted, not ended: sent again on a takeover
         self._submits: asyncio.Semaphore | None = None
-        self.max_call_bytes: int | None = None  # the largest call the plane takes (learnt from it once; None: unknown)
-        self._limit: asyncio.Future[None] | None = None
+        self.limit = CallLimit()
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
@@ -200,7 +228,7 @@ class CallStream:
     # -- one call ---------------------------------------------------------------------------------
     async def call(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> tuple[Reply, bytes]:
         """Submit one call (batched with its neighbours) and wait, as a coroutine, for how it ended."""
-        await self._check_size(meta, fn_bytes, args_bytes)
+        await self.limit.check(self._send, meta, fn_bytes, args_bytes)
         reply = await self._accept(meta, fn_bytes, args_bytes)
         out = b""
         if reply.status != "accepted" and reply.key and reply.key in self._arrived:
@@ -220,27 +248,6 @@ class CallStream:
                 await self._report_lost(reply.key, exc)
                 raise
         return reply, out
-
-    async def _check_size(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> None:
-        """A call larger than the plane takes fails here at once, naming the limit and its setting. Why: a body the
-        plane refuses is answered 413, but a client still sending 40 MB may see the connection end first and retry
-        for minutes as if the plane were down."""
-        if self._limit is None:
-            self._limit = asyncio.ensure_future(self._learn_limit())
-        await asyncio.shield(self._limit)
-        if self.max_call_bytes is not None:
-            size = call_size(meta, fn_bytes, args_bytes)
-            if size > self.max_call_bytes:
-                raise RequestTooLarge("/v1/runs", size, self.max_call_bytes, "AISCHED_MAX_CALL_BYTES")
-
-    async def _learn_limit(self) -> None:
-        """AISCHED_MAX_CALL_BYTES, as the plane says it (once per flow process)."""
-        try:
-            _, resp = await self._send("GET", "/v1/whoami")
-            said = resp.json().get("max_call_bytes")
-            self.max_call_bytes = said if isinstance(said, int) and said > 0 else None
-        except Exception:  # noqa: BLE001 - unknown: the plane still refuses an oversized call itself (413)
-            logger.debug("could not learn the control plane's AISCHED_MAX_CALL_BYTES", exc_info=True)
 
     async def _report_lost(self, key: str, exc: ResultLost) -> None:
         """Tell the control plane a completed call's result could not be fetched: it files why (a `result-lost`
@@ -285,7 +292,7 @@ class CallStream:
             self._flush.cancel()
             self._flush = None
         batch, self._batch = self._batch, []
-        most = min(BATCH_BYTES, self.max_call_bytes or BATCH_BYTES)  # a request the plane takes whole
+        most = min(BATCH_BYTES, self.limit.bytes or BATCH_BYTES)  # a request the plane takes whole
         while batch:
             part, size, functions = [], 0, set()
             while batch and len(part) < BATCH_CALLS:
@@ -337,8 +344,7 @@ class CallStream:
                 item[3].set_result(reply)
         if retry:
             if time.monotonic() > deadline:
-                where = ("on another replica of the control plane" if len(self.urls) > 1
-                         else f"at the control plane {self.urls[0]} (it was still admitting or running it)")
+                where = "on another replica of the control plane" if len(self.urls) > 1 else f"at {self.urls[0]}"
                 for *_, fut in retry:
                     fut.set_exception(AISchedError(f"the call stayed busy {where} for {self.retry_seconds:g}s. "
                                                    "Fix: check the control plane's health and log, then retry the task"))
@@ -419,9 +425,8 @@ class CallStream:
                 lost.discard(o.key)
                 self._deliver(o.key, o.reply, out)
             if lost:  # it knows our calls by key, not our session: sent again, they re-attach (or end as filed)
-                logger.warning("control plane %s %s: sending %d waiting call(s) again", self.urls[k],
-                               "restarted" if head.instance and restarted else "no longer counts some of our calls",
-                               len(lost))
+                logger.warning("control plane %s lost %d waiting call(s) (restarted?): sending them again",
+                               self.urls[k], len(lost))
                 await self._resend(lost)
 
     def _fail(self, keys: set[str], exc: Exception) -> None:
