@@ -67,7 +67,9 @@ def restarts(n: int) -> list:
             ended.append(["completed", f.result()])
         else:
             exc = f.result(raise_on_failure=False)
-            ended.append(["failed", type(exc).__name__ if isinstance(exc, BaseException) else str(state.type)])
+            said = str(exc).split(":", 1)[0]  # a plane's error the flow could not unpickle: "module.Name: ..."
+            named = said.rsplit(".", 1)[-1] if "." in said and " " not in said else type(exc).__name__
+            ended.append(["failed", named if isinstance(exc, BaseException) else str(state.type)])
     return ended
 
 

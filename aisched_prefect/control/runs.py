@@ -25,8 +25,9 @@ from aisched_prefect.control.dispatch import Dispatcher
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
 from aisched_prefect.control.running import BodyParts, denied
-from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest
+from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest, LedgerUnavailable
 from aisched_prefect.ledger import Ledger
+from aisched_prefect.ledger.engine import described, retryable
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import Settings
 from aisched_prefect.wire import CallMeta, Reply
@@ -107,6 +108,7 @@ class Runs:
         self._flight_lock = threading.Lock()
         self._in_flight: dict[str, tuple[int, int]] = {}  # credential id -> (runs, body bytes) accepted, not ended
         self._mine: set[str] = set()  # keys this process claimed and has not filed done (admitting, running, filing)
+        self._unfiled: dict[str, tuple[Reply, bytes]] = {}  # ended, their reply not yet in the call book (database down)
         self._admitting = ThreadPoolExecutor(max_workers=settings.admission_threads, thread_name_prefix="aisched-admit")
 
     def close(self) -> None:
@@ -135,7 +137,12 @@ class Runs:
                 return self.submit(cred, item[0], item[1], session)[0]
             except Busy as exc:
                 return Reply(status="failed", error_type="busy", error_message=str(exc))
-            except (AISchedError, ValueError) as exc:
+            except Exception as exc:
+                if isinstance(exc, LedgerUnavailable) or retryable(exc):  # the database went away: sent again
+                    return Reply(status="failed", error_type="busy", error_message=f"the ledger is unreachable "
+                                 f"({described(exc)}): wait for it (the client retries)")
+                if not isinstance(exc, (AISchedError, ValueError)):
+                    raise
                 return Reply(status="denied", stage="request", reason=str(exc),
                              fix=str(exc).split("Fix: ", 1)[1] if "Fix: " in str(exc) else "")
 
@@ -174,6 +181,13 @@ class Runs:
                 self._mine.add(key)
             if earlier_life:  # claimed under this name by an earlier process (a restart, a container's pid 1)
                 claim = "takeover"
+            elif key in self._unfiled:  # it ended while the database was down: its outcome is here
+                reply, out = self._unfiled[key]
+                if session is None:
+                    return reply, out
+                self.outcomes.expect(key, session, who(cred))
+                self.outcomes.put(key, reply, out)
+                return Reply(status="accepted", key=key), b""
             elif session is not None and self.dispatcher.has_call(key):
                 self.outcomes.expect(key, session, who(cred))  # a flow re-attaching to a run it already submitted
                 return Reply(status="accepted", key=key), b""
@@ -189,9 +203,16 @@ class Runs:
             return Reply(status="accepted", key=key), b""  # sent again after a cut: its outcome is on the stream
         if claim == "done":  # its reply was lost in transit (or this replica restarted): never run it twice
             stored, why = self.calls.reply(key, row.reply)
-            old = Reply.model_validate(stored)
+            old = Reply.model_validate(stored).model_copy(update={"key": key})
+            kept = self.calls.out(key, row.reply)
+            if kept is not None and (old.status != "completed" or result_digest(kept) == old.result_digest):
+                if session is None:
+                    return old, kept
+                self.outcomes.expect(key, session, who(cred))  # its bytes travel on the stream, as they first would
+                self.outcomes.put(key, old, kept)
+                return Reply(status="accepted", key=key), b""
             if old.status != "completed" or old.result_ref is not None:  # a large result: still on its worker
-                return old.model_copy(update={"key": key}), b""
+                return old, b""
             lost = why or "its result's bytes travelled on the connection that was lost"
             return Reply(status="failed", key=key, admission=old.admission, error_type="aisched_prefect.ResultLost",
                          error_message=f"the call completed (and was charged once) but its result is lost: {lost}; "
@@ -263,12 +284,28 @@ class Runs:
                 self._in_flight[credential] = (max(runs - 1, 0), max(held - size, 0))
         reply = reply.model_copy(update={"key": key, "result_digest": result_digest(out) if out else reply.result_digest})
         try:
-            self.calls.done(key, reply.model_dump(mode="json"))
-        except Exception:  # the outcome still reaches its caller; this process keeps the key as its own (no rerun)
-            logger.exception("could not file the reply of call %s", key)
+            self.calls.done(key, reply.model_dump(mode="json"), out)
+        except Exception as exc:  # the outcome still reaches its caller; kept here and filed again (`refile`)
+            logger.warning("could not file the reply of call %s (filed again later): %s", key, exc)
+            with self._flight_lock:
+                self._unfiled[key] = (reply, out)
         else:
             self._forget(key)
         self.outcomes.put(key, reply, out)
+
+    def refile(self) -> None:
+        """File the replies that could not be filed when their runs ended (a chore: the database came back)."""
+        with self._flight_lock:
+            waiting = list(self._unfiled.items())
+        for key, (reply, out) in waiting:
+            try:
+                self.calls.done(key, reply.model_dump(mode="json"), out)
+            except Exception as exc:  # still down: the next chore tries again
+                logger.debug("call %s still unfiled: %s", key, exc)
+                return
+            with self._flight_lock:
+                self._unfiled.pop(key, None)
+            self._forget(key)
 
     def _forget(self, key: str) -> None:
         with self._flight_lock:

@@ -112,7 +112,8 @@ class ControlPlane:
             (settings.drift_seconds, self.configuration.record_drift),
             (min(settings.hold_lease_seconds / 3, 30.0), self.approvals.tend),  # holds of waiting requests
             (settings.day_report_seconds, self.reports.publish_day_report),
-            (min(settings.session_lease_seconds / 3, 5.0), self.outcomes.expire)]
+            (min(settings.session_lease_seconds / 3, 5.0), self.outcomes.expire),
+            (2.0, self.runs.refile)]  # replies of runs that ended while the database was down
         if self.checkpoint_dir is not None:
             chores.append((settings.checkpoint_seconds, self.reports.checkpoint_if_moved))
         if self.queue:  # a scheduler that restarted (its queue installed afresh by its preload) gets the weights back
