@@ -108,10 +108,21 @@ class RequestTooLarge(AISchedError):
         self.limit, self.setting = limit, setting
         got = f"is {size} bytes, more than" if size is not None else "passed"
         fix = (f"pass large data by reference (a path or URL the task reads) instead of as an argument, or an "
-               f"operator raises {setting} on the control plane" if path == "/v1/calls"
+               f"operator raises {setting} on the control plane" if path in ("/v1/calls", "/v1/runs")
                else f"send less, or an operator raises {setting} on the control plane")
         super().__init__(f"the request to {path} {got} the {limit} bytes this control plane takes "
                          f"({setting}={limit}). Fix: {fix}")
+
+    @classmethod
+    def answered(cls, text: str) -> "RequestTooLarge":
+        """The refusal as a client read it (a 413's text): its limit and setting taken from what it names."""
+        import re
+
+        err = cls.__new__(cls)
+        AISchedError.__init__(err, text)
+        named = re.search(r"(AISCHED_[A-Z_]+)=(\d+)", text)
+        err.setting, err.limit = (named.group(1), int(named.group(2))) if named else ("", 0)
+        return err
 
 
 class TooManyOpenApprovals(AISchedError):
@@ -124,3 +135,8 @@ class TooManyOpenApprovals(AISchedError):
                          f"plane allows one credential (AISCHED_MAX_OPEN_APPROVALS={limit}); nothing was held for this "
                          "one. Fix: answer or let expire the open ones (aisched approvals list), or an operator "
                          "raises AISCHED_MAX_OPEN_APPROVALS")
+
+
+class RunLost(AISchedError):
+    """The control plane no longer knows an accepted AI task run, after the flow sent it again as many times as it
+    may: the run fails with this instead of waiting for an outcome that will not come."""

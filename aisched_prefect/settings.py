@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     body_lease_seconds: float = Field(
         default=30.0, ge=2, description="A running body the control plane has not renewed for this long is killed.")
     hold_lease_seconds: float = Field(default=300.0, ge=1, description="Lease of each budget hold, renewed while it runs.")
+    settle_patience_seconds: float = Field(
+        default=120.0, gt=0, description="AISCHED_SETTLE_PATIENCE_SECONDS: how long a run that ended keeps trying to "
+        "settle while the ledger's database is unreachable (a restart, a failover), at most half the hold lease: its "
+        "holds stay renewed meanwhile, so a finished run is settled by what it used and reported as it ended.")
     max_keep_warm_seconds: float = Field(
         default=3600.0, ge=0, description="AISCHED_MAX_KEEP_WARM_SECONDS: the longest a body may wait warm for the next "
         "run of its key (what @ai_task(keep_warm=...) asks is cut to this; 0 turns warm bodies off).")

@@ -167,6 +167,7 @@ class OutcomesOut(BaseModel):
     outcomes: list[OutcomeOut]
     pending: int  # the session's calls not ended yet
     replica: str = ""  # who answered: a flow whose calls another replica accepted sends them here again
+    instance: str = ""  # which life of the plane answered: a new one knows none of the calls an earlier one accepted
 
 
 class Problem(BaseModel):

@@ -27,8 +27,15 @@ one marks file, which is how the bench sees what ran, and how often.
    result must be right, every body must have run once, every run must have one
    admission and one settlement.
 
+3. Restarts (bench/fault_restarts.py, `--restarts`): the plane killed and started again 0, 5 and 25 s after a
+   `--restart-runs` map was admitted, the ledger's Postgres gone `--ledger-down` s while runs finish (with
+   `--postgres URL`), the scheduler gone `--scheduler-down` s under the map. Each prints runs completed, failed by
+   reason, and money charged for runs that never ran (goal 0).
+
     PYTHONPATH=. .venv/bin/python bench/faults.py                      # --waiting 500 --running 16 --cut-runs 1000
     PYTHONPATH=. .venv/bin/python bench/faults.py --waiting 40 --running 8 --cut-runs 100   # in a few minutes
+    PYTHONPATH=. .venv/bin/python bench/faults.py --restarts --skip-kill --skip-cut \
+        --postgres postgresql://postgres@127.0.0.1:5432/test           # the restart scenarios at 1,000 runs
 """
 
 from __future__ import annotations
@@ -338,6 +345,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="longest wait for any one step")
     parser.add_argument("--skip-kill", action="store_true")
     parser.add_argument("--skip-cut", action="store_true")
+    parser.add_argument("--restarts", action="store_true", help="also run the restart scenarios (fault_restarts.py)")
+    parser.add_argument("--restart-runs", type=int, default=1000, help="runs of each restart scenario's map")
+    parser.add_argument("--restart-delays", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 5.0, 25.0],
+                        help="seconds after the map was admitted that the plane is killed (comma-separated)")
+    parser.add_argument("--body-seconds", type=float, default=0.2, help="each restart-scenario body's run time")
+    parser.add_argument("--postgres", default="", help="a Postgres URL for the ledger-restart scenario (a schema "
+                        "of its own is made and dropped); without it that scenario is skipped")
+    parser.add_argument("--ledger-down", type=float, default=4.0, help="seconds the ledger's Postgres is gone")
+    parser.add_argument("--scheduler-down", type=float, default=40.0, help="seconds the scheduler is gone (0: skip)")
     args = parser.parse_args()
     logging.getLogger("distributed").setLevel(logging.ERROR)
     command = "PYTHONPATH=. " + " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv])
@@ -351,26 +367,34 @@ def main() -> None:
     figures: dict[str, Any] = {}
     t0 = time.monotonic()
     with prefect_server():
-        (work / "plane").mkdir()
-        plane = ControlPlaneProcess(work / "plane", declared=declared, env={
-            "AISCHED_SESSION_LEASE_SECONDS": str(args.lease), "DASK_DASK_GPU__ISOLATION__MODE": "shared",
-            "PREFECT_API_URL": os.environ["PREFECT_API_URL"]})
-        plane.start()
-        bench = Bench(args, plane, work)
-        try:
-            print(f"control plane {plane.url}, cluster {declared}, quarter-GPU runs: {args.running} at once; "
-                  f"session lease {args.lease:g} s", flush=True)
-            if not args.skip_kill:
-                figures["kill"] = bench.killed_flow()
-            if not args.skip_cut:
-                figures["cut"] = bench.cut_connections()
-            chain = plane.ledger().verify()
-            bench.check("the evidence chain verifies", chain.ok, f"{chain.records} records")
-        finally:
-            plane.stop()
+        bench = Bench(args, None, work)
+        restarts = None
+        if not (args.skip_kill and args.skip_cut):
+            (work / "plane").mkdir()
+            plane = ControlPlaneProcess(work / "plane", declared=declared, env={
+                "AISCHED_SESSION_LEASE_SECONDS": str(args.lease), "DASK_DASK_GPU__ISOLATION__MODE": "shared",
+                "PREFECT_API_URL": os.environ["PREFECT_API_URL"]})
+            plane.start()
+            bench.plane = plane
+            try:
+                print(f"control plane {plane.url}, cluster {declared}, quarter-GPU runs: {args.running} at once; "
+                      f"session lease {args.lease:g} s", flush=True)
+                if not args.skip_kill:
+                    figures["kill"] = bench.killed_flow()
+                if not args.skip_cut:
+                    figures["cut"] = bench.cut_connections()
+                chain = plane.ledger().verify()
+                bench.check("the evidence chain verifies", chain.ok, f"{chain.records} records")
+            finally:
+                plane.stop()
+        if args.restarts:
+            from bench.fault_restarts import RestartFaults
+
+            restarts = RestartFaults(args, work)
+            restarts.run()
     print(f"\nfaults bench, {os.cpu_count()} cores, {time.monotonic() - t0:.0f} s in all; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    width = max(len(c[0]) for c in bench.checks)
+    width = max((len(c[0]) for c in bench.checks), default=0)
     for what, ok, figure in bench.checks:
         print(f"  {what:{width}s}  {'reached' if ok else 'NOT reached':11s}  {figure}")
     if "kill" in figures:
@@ -381,8 +405,9 @@ def main() -> None:
         c = figures["cut"]
         print(f"  connections cut: {c['runs']} runs in {c['wall']:.1f} s, {c['cuts']} cuts, "
               f"{c['dropped']} connections dropped")
+    restarts_ok = restarts.report() if restarts is not None else True
     print(f"  command: {command}")
-    sys.exit(0 if all(ok for _, ok, _ in bench.checks) else 1)
+    sys.exit(0 if all(ok for _, ok, _ in bench.checks) and restarts_ok else 1)
 
 
 if __name__ == "__main__":

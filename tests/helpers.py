@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any
 
 from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, Grant
@@ -91,6 +92,7 @@ class CuttingProxy:
         self.lock = threading.Lock()
         self.cuts = self.dropped = 0
         self.clients: set = set()
+        self.down_until = 0.0  # monotonic: until then every new connection is closed at once (`down`)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -99,6 +101,9 @@ class CuttingProxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
+            if time.monotonic() < self.down_until:  # the server behind it is restarting: nothing answers
+                client.close()
+                continue
             upstream = socket.create_connection(self.target)
             with self.lock:
                 self.open += [client, upstream]
@@ -131,6 +136,11 @@ class CuttingProxy:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def down(self, seconds: float) -> None:
+        """The server behind it goes away for `seconds` (a restart): open connections drop, new ones are closed."""
+        self.down_until = time.monotonic() + seconds
+        self.cut()
 
     def close(self) -> None:
         self.server.close()

@@ -147,3 +147,33 @@ def test_tokens_an_older_plane_wrote_in_clear_are_sealed_when_a_plane_starts(led
     new = CallBook(ledger, _name("new"), "http://new", seal=seal)
     assert "C" * 43 not in _rows_text(ledger)
     assert new.reply(key, new.get(key).reply)[0]["result_ref"]["token"] == "C" * 43
+
+
+def test_a_small_results_bytes_are_kept_sealed_with_its_reply_for_a_plane_that_restarted(ledger_url):
+    """A run that ended just before its plane died: its inline result was only in that plane's memory. The call book
+    keeps bytes up to KEEP_RESULT_BYTES sealed beside the reply (the database alone does not show them), so the plane
+    that comes back hands them to the flow that sends the call again, instead of a ResultLost for a finished run."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from aisched_prefect.control.calls import KEEP_RESULT_BYTES, TOKEN_PURPOSE, TokenSeal
+    from aisched_prefect.control.keys import derived_secret
+
+    ledger = Ledger(ledger_url)
+    key_file = Ed25519PrivateKey.generate()
+    before = CallBook(ledger, _name("before"), "http://a", seal=TokenSeal(derived_secret(key_file, TOKEN_PURPOSE)))
+    small, large, plain = _name("t"), _name("t"), _name("t")
+    secret = b"the-result-" + uuid.uuid4().hex.encode()
+    for k, out in ((small, secret), (large, b"x" * (KEEP_RESULT_BYTES + 1))):
+        before.claim(k)
+        before.done(k, {"status": "completed", "key": k}, out)
+    assert secret.decode() not in _rows_text(ledger)
+    after = CallBook(ledger, _name("after"), "http://a", seal=TokenSeal(derived_secret(key_file, TOKEN_PURPOSE)))
+    row = after.get(small)
+    assert after.out(small, row.reply) == secret
+    assert "sealed_out" not in after.reply(small, row.reply)[0]
+    assert after.out(large, after.get(large).reply) is None  # past the bound: not kept
+    before.claim(plain)
+    with ledger.engine.begin() as conn:  # moved into another call's row, it does not open for that call
+        conn.execute(calls.update().where(calls.c.key == plain).values(status="done", reply=row.reply))
+    assert after.out(plain, after.get(plain).reply) is None
+    assert CallBook(ledger, _name("other"), "http://a").out(small, row.reply) is None  # no key: nothing opens

@@ -105,3 +105,66 @@ def test_one_credential_may_keep_only_so_many_requests_open(sqlite_url, tmp_path
         assert info.value.status == 429
     finally:
         plane.ledger.close()
+
+
+@pytest.mark.parametrize("query, field", [
+    ("session=" + "s" * 32 + "&wait=nan", "wait"), ("session=" + "s" * 32 + "&wait=inf", "wait"),
+    ("session=" + "s" * 32 + "&wait=-1", "wait"), ("session=" + "s" * 32 + "&wait=1e9", "wait"),
+    ("session=" + "s" * 32 + "&after=-5", "after"), ("session=" + "s" * 32 + "&after=1e400", "after"),
+    ("session=" + "s" * 10_000, "session"), ("session=short", "session"), ("wait=1", "session"),
+    ("session=" + "s" * 32 + "&instance=" + "i" * 500, "instance")])
+def test_every_outcome_poll_parameter_is_checked_before_anything_waits(client, query, field):
+    """`wait=nan` once made a poll wait past its client's patience and kept its session from ever expiring; a
+    10,000-character session id was taken. Each is a 422 naming the parameter, answered at once."""
+    started = time.monotonic()
+    resp = client.get(f"/v1/outcomes?{query}", headers={"authorization": "Bearer t"})
+    assert resp.status_code == 422, resp.text
+    problem = resp.json()
+    assert problem["field"] == field and field in problem["error"] and "Fix: " in problem["error"]
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("wait", ["nan", "-inf", "-0.5", "86400"])
+def test_an_approval_poll_takes_only_a_finite_wait_in_range(client, wait):
+    resp = client.get(f"/v1/approvals/some-id?wait={wait}", headers={"authorization": "Bearer t"})
+    assert resp.status_code == 422 and resp.json()["field"] == "wait", resp.text
+
+
+def test_a_client_still_sending_an_oversized_call_reads_the_413_naming_the_limit(tmp_path):
+    """Over a real socket: the plane answers by Content-Length without keeping the body (it reads and drops a
+    bounded part first, so a client that sends it whole reads the answer rather than a reset); the flow's client
+    turns the 413 into RequestTooLarge naming AISCHED_MAX_CALL_BYTES, at once. (On loopback a reset is rarely seen
+    even without the drain: this checks the client's side and that the answer is readable.)"""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from aisched_prefect.control.app import build_app
+    from aisched_prefect.errors import RequestTooLarge
+    from aisched_prefect.flow.client import ControlPlaneClient
+    from aisched_prefect.wire import CallMeta
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(Plane()), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
+            time.sleep(0.05)
+        client = ControlPlaneClient([f"http://127.0.0.1:{port}"], "t", retry_seconds=5)
+        meta = CallMeta(task_name="t", task_run_id="r", flow_run_id="f", run_key="f/r", request={},
+                        code_digest="0" * 64)
+        started = time.monotonic()
+        with pytest.raises(RequestTooLarge, match="AISCHED_MAX_CALL_BYTES") as caught:
+            client.call(meta, b"x" * (8 * 2**20))  # 128 times the limit
+        assert time.monotonic() - started < 5  # not retried as if the plane were down
+        assert caught.value.setting == "AISCHED_MAX_CALL_BYTES" and caught.value.limit == LIMIT
+        client.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -16,7 +16,8 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from pydantic import BaseModel, Field
@@ -26,9 +27,10 @@ from aisched_prefect.control.approval_page import SECURITY_HEADERS, approval_pag
 from aisched_prefect.control.approval_proof import ApprovalError, LinkHolder
 from aisched_prefect.control.approval_words import budget_left
 from aisched_prefect.control.credentials import Unauthorized
+from aisched_prefect.control.http_bounds import SESSION_MAX, SESSION_MIN, WAIT_MAX_SECONDS, BodyLimit, invalid_parameters
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.service import ControlPlane
-from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable, RequestTooLarge
+from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable
 from aisched_prefect.ledger.engine import database_errors, described, retryable
 from aisched_prefect.settings import Settings
 from aisched_prefect.wire import FRAME, CallMeta, OutcomeOut, OutcomesOut, Problem, ResultLostIn, RunsIn, frame, unframe
@@ -77,49 +79,6 @@ class DelegateIn(BaseModel):
 class RevokeIn(BaseModel):
     reason: str
     authority: str | None = None
-
-
-class BodyLimit:
-    """Refuse a request body larger than its route takes (413, naming the setting): by its Content-Length before
-    any of it is read, and while it streams in (chunked, or a length that lies), so a 300 MB call never sits in
-    the control plane's memory. `/v1/calls` and `/v1/runs` take AISCHED_MAX_CALL_BYTES, every other route
-    AISCHED_MAX_REQUEST_BYTES."""
-
-    def __init__(self, app: Any, settings: Any) -> None:
-        self.app = app
-        self.calls = (settings.max_call_bytes, "AISCHED_MAX_CALL_BYTES")
-        self.other = (settings.max_request_bytes, "AISCHED_MAX_REQUEST_BYTES")
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        limit, setting = self.calls if path in ("/v1/calls", "/v1/runs") else self.other
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        try:
-            size = int(declared) if declared is not None else None
-        except ValueError:
-            size = None
-        if size is not None and size > limit:  # refused unread; the connection closes after the answer
-            text = str(RequestTooLarge(path, size, limit, setting))
-            body = json.dumps(Problem(error=text, fix=text.split("Fix: ", 1)[1]).model_dump()).encode()
-            await send({"type": "http.response.start", "status": 413,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                    (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        seen = 0
-
-        async def counted() -> Any:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:  # raised inside the route's read: answered 413 by the AISchedError handler
-                    raise RequestTooLarge(path, None, limit, setting)
-            return message
-
-        await self.app(scope, counted, send)
 
 
 def _token(request: Request) -> str | None:
@@ -237,7 +196,9 @@ def same_site(request: Request, base_url: str = "") -> bool:
 def build_app(plane: ControlPlane) -> FastAPI:
     # No /docs, /redoc or /openapi.json: the API's shape is in docs/reference, not served to any visitor.
     app = FastAPI(title="aisched control plane", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, settings=getattr(plane, "settings", None) or Settings())
+    limits = getattr(plane, "settings", None) or Settings()
+    app.add_middleware(BodyLimit, settings=limits)
+    app.add_exception_handler(RequestValidationError, invalid_parameters)  # type: ignore[arg-type]
     limiter = anyio.CapacityLimiter(THREADS)
     sessions = Sessions(plane)
 
@@ -316,7 +277,9 @@ def build_app(plane: ControlPlane) -> FastAPI:
 
     @app.get("/v1/whoami")
     async def whoami(request: Request) -> dict[str, Any]:
-        return plane.credentials.authenticate(_token(request)).public()
+        """Who the credential proves, and the largest call this plane takes (a flow refuses a larger one itself)."""
+        return {**plane.credentials.authenticate(_token(request)).public(),
+                "max_call_bytes": limits.max_call_bytes}
 
     @app.post("/v1/calls")
     async def call(request: Request) -> Response:
@@ -343,20 +306,24 @@ def build_app(plane: ControlPlane) -> FastAPI:
         except ValueError as exc:
             raise InvalidAIRequest(f"malformed runs request: {exc}") from None
         replies = await run(plane.runs.submit_many, cred, head.session, calls)
-        return {"replies": [r.model_dump(mode="json") for r in replies]}
+        return {"replies": [r.model_dump(mode="json") for r in replies], "instance": getattr(plane, "instance", "")}
 
     @app.get("/v1/outcomes")
-    async def outcomes(request: Request, session: str, after: int = 0, wait: float = 0.0) -> Response:
+    async def outcomes(request: Request, session: str = Query(min_length=SESSION_MIN, max_length=SESSION_MAX),
+                       after: int = Query(0, ge=0), wait: float = Query(0.0, ge=0, le=WAIT_MAX_SECONDS),
+                       instance: str = Query("", max_length=64)) -> Response:
         """The session's ended calls past `after` (which acknowledges those before it), waiting up to `wait` seconds
         for one: one long-poll per flow process, whatever number of runs it waits for."""
         cred = plane.credentials.authenticate(_token(request), "flow")
         if not plane.outcomes.owns(session, f"{cred.authority}:{cred.principal}"):
             raise Unauthorized("this session belongs to another principal", 403)
+        if instance and instance != getattr(plane, "instance", ""):  # `after` counts an earlier life's outcomes
+            after = 0
         kept, pending = await plane.outcomes.take(session, f"{cred.authority}:{cred.principal}", after,
                                                   min(wait, plane.settings.outcome_wait_seconds),
                                                   plane.settings.outcome_batch_bytes)
         head = OutcomesOut(outcomes=[OutcomeOut(key=k.key, seq=k.seq, reply=k.reply, length=len(k.out)) for k in kept],
-                           pending=pending, replica=plane.replica)
+                           pending=pending, replica=plane.replica, instance=getattr(plane, "instance", ""))
         return Response(frame(head.model_dump_json().encode(), b"".join(k.out for k in kept)), media_type=FRAME)
 
     @app.post("/v1/results/lost")
@@ -374,7 +341,8 @@ def build_app(plane: ControlPlane) -> FastAPI:
                 if cred.role == "operator" or await run(plane.approvals.may_see, v.id, cred)]
 
     @app.get("/v1/approvals/{approval_id}")
-    async def approval(approval_id: str, request: Request, wait: float = 0.0) -> dict[str, Any]:
+    async def approval(approval_id: str, request: Request,
+                       wait: float = Query(0.0, ge=0, le=WAIT_MAX_SECONDS)) -> dict[str, Any]:
         cred = plane.credentials.authenticate(_token(request))
         approval_id = await run(plane.approvals.resolve, approval_id)
         if cred.role == "approver" and not await run(plane.approvals.may_see, approval_id, cred):

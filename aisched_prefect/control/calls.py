@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from aisched_prefect.errors import AISchedError
 from aisched_prefect.ledger import Ledger
 
+KEEP_RESULT_BYTES = 256 * 1024  # an inline result (or error) this small is kept, sealed, with the call's reply
 ABANDONED = "(abandoned)"  # the replica name of an admitted call its replica gave up: the next to see it takes it over
 
 
@@ -160,9 +161,16 @@ class CallBook:
             ref["sealed_token"] = self.seal.seal(key, token)
         return {**reply, "result_ref": ref}
 
+    def out(self, key: str, stored: dict[str, Any]) -> bytes | None:
+        """The bytes a done call's reply travelled with, as `done` kept them (None: not kept, or not opened)."""
+        sealed = stored.get("sealed_out")
+        opened = self.seal.open(f"{key}#out", sealed) if self.seal is not None and isinstance(sealed, str) else None
+        return base64.b64decode(opened) if opened is not None else None
+
     def reply(self, key: str, stored: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """A done call's reply as it was sent, its result token opened; if it cannot be, the reply without its result
         reference and why (for a ResultLost the caller names)."""
+        stored = {k: v for k, v in stored.items() if k != "sealed_out"}
         ref = stored.get("result_ref")
         if not isinstance(ref, dict):
             return stored, ""
@@ -289,10 +297,15 @@ class CallBook:
         if conn.execute(calls.update().where(mine).values(admission=admission, updated_at=time.time())).rowcount != 1:
             raise CallTakenOver(f"call {key} was taken over by another replica")
 
-    def done(self, key: str, reply: dict[str, Any]) -> None:
-        """File a call's reply (its result token sealed: `_stored`)."""
+    def done(self, key: str, reply: dict[str, Any], out: bytes = b"") -> None:
+        """File a call's reply (its result token sealed: `_stored`), and `out` (the bytes the reply travels with: its
+        inline result, or its error) sealed beside it when it is at most KEEP_RESULT_BYTES. Why: a plane that restarts
+        between a run's end and its flow's poll loses the bytes it held in memory; the flow sends the call again
+        and gets them from here instead of a ResultLost for a run that finished."""
         now = time.time()
         reply = self._stored(key, reply)
+        if self.seal is not None and 0 < len(out) <= KEEP_RESULT_BYTES:
+            reply = {**reply, "sealed_out": self.seal.seal(f"{key}#out", base64.b64encode(out).decode())}
         self.ledger.write(lambda conn: conn.execute(calls.update().where(calls.c.key == key)
                                                     .values(status="done", reply=reply, updated_at=now)))
 

@@ -30,6 +30,7 @@ from aisched_prefect.control.running import (
     Lost, ModelSlotUnavailable, Placement, Preempted, Running, denied, held_by_account)
 from aisched_prefect.control.settlement import Settlement
 from aisched_prefect.control.state import AuthorityState
+from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.control.warm import WarmBooks, warm_key
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.settings import Settings
@@ -66,9 +67,16 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots):
         client._stream_handlers[PLACED_STREAM_OP] = self._on_placed
 
     def inventories(self, fresh: bool = False) -> dict[str, WorkerInventory]:
+        """The workers' inventories (at most inventory_ttl_seconds old). With the scheduler gone, feasibility
+        cannot be decided: AdmissionDenied naming it (recorded as a denial), at once, never a bare error later."""
         with self._inv_lock:
             if fresh or time.monotonic() - self._inventories_at > self.settings.inventory_ttl_seconds or not self._inventories:
-                self._inventories = cluster_inventories(self.client)
+                if self.client.status != "running":
+                    raise scheduler_unreachable(self.client, "it is being reconnected")
+                try:
+                    self._inventories = cluster_inventories(self.client)
+                except (OSError, TimeoutError) as exc:
+                    raise scheduler_unreachable(self.client, f"{type(exc).__name__}: {exc}") from None
                 self._inventories_at = time.monotonic()
             return self._inventories
 
@@ -249,6 +257,13 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots):
         self.client.subscribe_topic(DIED_TOPIC, self._on_worker_died)
         self.client.subscribe_topic(WARM_TOPIC, self.warm.on_event)
         self.client._stream_handlers[PLACED_STREAM_OP] = self._on_placed
+
+
+def scheduler_unreachable(client: Client, why: str) -> AdmissionDenied:
+    address = getattr(getattr(client, "scheduler", None), "address", None) or "?"
+    return AdmissionDenied("feasibility", f"the Dask scheduler at {address} does not answer ({why}): which workers "
+                           "could run this call cannot be known", "retry once the control plane's /v1/health is "
+                           "green (it reconnects by itself); a task with retries= runs again")
 
 
 def _result(f: Future) -> Outcome | BaseException:

@@ -25,8 +25,9 @@ from aisched_prefect.control.dispatch import Dispatcher
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
 from aisched_prefect.control.running import BodyParts, denied
-from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest
+from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest, LedgerUnavailable
 from aisched_prefect.ledger import Ledger
+from aisched_prefect.ledger.engine import described, retryable
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import Settings
 from aisched_prefect.wire import CallMeta, Reply
@@ -106,6 +107,8 @@ class Runs:
         self.calls, self.outcomes, self.desk, self.replica = calls, outcomes, desk, replica
         self._flight_lock = threading.Lock()
         self._in_flight: dict[str, tuple[int, int]] = {}  # credential id -> (runs, body bytes) accepted, not ended
+        self._mine: set[str] = set()  # keys this process claimed and has not filed done (admitting, running, filing)
+        self._unfiled: dict[str, tuple[Reply, bytes]] = {}  # ended, their reply not yet in the call book (database down)
         self._admitting = ThreadPoolExecutor(max_workers=settings.admission_threads, thread_name_prefix="aisched-admit")
 
     def close(self) -> None:
@@ -134,7 +137,12 @@ class Runs:
                 return self.submit(cred, item[0], item[1], session)[0]
             except Busy as exc:
                 return Reply(status="failed", error_type="busy", error_message=str(exc))
-            except (AISchedError, ValueError) as exc:
+            except Exception as exc:
+                if isinstance(exc, LedgerUnavailable) or retryable(exc):  # the database went away: sent again
+                    return Reply(status="failed", error_type="busy", error_message=f"the ledger is unreachable "
+                                 f"({described(exc)}): wait for it (the client retries)")
+                if not isinstance(exc, (AISchedError, ValueError)):
+                    raise
                 return Reply(status="denied", stage="request", reason=str(exc),
                              fix=str(exc).split("Fix: ", 1)[1] if "Fix: " in str(exc) else "")
 
@@ -167,18 +175,44 @@ class Runs:
         key = call_key(who(cred), meta.task_run_id, meta.attempt, meta.admission)
         claim, row = self.calls.claim(key)
         filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
-        if claim == "busy":
-            if row.replica == self.replica and session is not None and self.dispatcher.has_call(key):
+        if claim == "busy" and row.replica == self.replica:
+            with self._flight_lock:  # checked and taken at once: two resends of it here take it over once
+                earlier_life = key not in self._mine
+                self._mine.add(key)
+            if earlier_life:  # claimed under this name by an earlier process (a restart, a container's pid 1)
+                claim = "takeover"
+            elif key in self._unfiled:  # it ended while the database was down: its outcome is here
+                reply, out = self._unfiled[key]
+                if session is None:
+                    return reply, out
+                self.outcomes.expect(key, session, who(cred))
+                self.outcomes.put(key, reply, out)
+                return Reply(status="accepted", key=key), b""
+            elif session is not None and self.dispatcher.has_call(key):
                 self.outcomes.expect(key, session, who(cred))  # a flow re-attaching to a run it already submitted
                 return Reply(status="accepted", key=key), b""
+            else:
+                raise Busy("this control plane is still admitting or filing this call: wait for it (the client "
+                           "retries)")
+        elif claim == "busy":
             raise Busy(f"this call is running on replica {row.replica}: wait for it (the client retries)")
+        if claim in ("new", "takeover"):
+            with self._flight_lock:
+                self._mine.add(key)
         if claim == "done" and session is not None and self.outcomes.holds(session, key):
             return Reply(status="accepted", key=key), b""  # sent again after a cut: its outcome is on the stream
         if claim == "done":  # its reply was lost in transit (or this replica restarted): never run it twice
             stored, why = self.calls.reply(key, row.reply)
-            old = Reply.model_validate(stored)
+            old = Reply.model_validate(stored).model_copy(update={"key": key})
+            kept = self.calls.out(key, row.reply)
+            if kept is not None and (old.status != "completed" or result_digest(kept) == old.result_digest):
+                if session is None:
+                    return old, kept
+                self.outcomes.expect(key, session, who(cred))  # its bytes travel on the stream, as they first would
+                self.outcomes.put(key, old, kept)
+                return Reply(status="accepted", key=key), b""
             if old.status != "completed" or old.result_ref is not None:  # a large result: still on its worker
-                return old.model_copy(update={"key": key}), b""
+                return old, b""
             lost = why or "its result's bytes travelled on the connection that was lost"
             return Reply(status="failed", key=key, admission=old.admission, error_type="aisched_prefect.ResultLost",
                          error_message=f"the call completed (and was charged once) but its result is lost: {lost}; "
@@ -197,12 +231,18 @@ class Runs:
                 admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds,
                                         function_digest)
         except _Early as early:
-            self.calls.done(key, early.reply.model_dump(mode="json"))
+            try:
+                self.calls.done(key, early.reply.model_dump(mode="json"))
+            finally:  # not filed (the database went): a retry here continues the claim as an earlier life's
+                self._forget(key)
             return early.reply.model_copy(update={"key": key}), b""
         except CallTakenOver as exc:  # nothing of this admission committed: the call is the other replica's
             raise Busy(f"{exc}: wait for it (the client retries)") from None
         except BaseException:
-            self.calls.release(key)
+            try:
+                self.calls.release(key)
+            finally:
+                self._forget(key)
             raise
         if admission.id not in filed:  # taken over, or continued after an approval: filed here
             self.calls.admitted(key, admission.model_dump(mode="json"))
@@ -244,10 +284,32 @@ class Runs:
                 self._in_flight[credential] = (max(runs - 1, 0), max(held - size, 0))
         reply = reply.model_copy(update={"key": key, "result_digest": result_digest(out) if out else reply.result_digest})
         try:
-            self.calls.done(key, reply.model_dump(mode="json"))
-        except Exception:  # the outcome still reaches its caller; the call book is retried by a takeover
-            logger.exception("could not file the reply of call %s", key)
+            self.calls.done(key, reply.model_dump(mode="json"), out)
+        except Exception as exc:  # the outcome still reaches its caller; kept here and filed again (`refile`)
+            logger.warning("could not file the reply of call %s (filed again later): %s", key, exc)
+            with self._flight_lock:
+                self._unfiled[key] = (reply, out)
+        else:
+            self._forget(key)
         self.outcomes.put(key, reply, out)
+
+    def refile(self) -> None:
+        """File the replies that could not be filed when their runs ended (a chore: the database came back)."""
+        with self._flight_lock:
+            waiting = list(self._unfiled.items())
+        for key, (reply, out) in waiting:
+            try:
+                self.calls.done(key, reply.model_dump(mode="json"), out)
+            except Exception as exc:  # still down: the next chore tries again
+                logger.debug("call %s still unfiled: %s", key, exc)
+                return
+            with self._flight_lock:
+                self._unfiled.pop(key, None)
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        with self._flight_lock:
+            self._mine.discard(key)
 
     def _admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str,
                args_digest: str, on_admitted: Callable[[Any, Admission], None], function_digest: str) -> Admission:

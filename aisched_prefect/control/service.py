@@ -20,6 +20,7 @@ The HTTP app (app.py) is a thin shell that calls the part owning each act.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
@@ -57,6 +58,9 @@ class ControlPlane:
         self.settings = settings
         self.base_url = base_url
         self.replica = replica or f"{os.uname().nodename}-{os.getpid()}"
+        # This process's life: a restarted plane (same name: a container's pid 1) is told apart by it, so a flow
+        # sends it the calls its earlier life accepted and lost with its memory.
+        self.instance = uuid.uuid4().hex
         self.checkpoint_dir = checkpoint_dir
         self.queue = queue
         self._stack = ExitStack()
@@ -112,7 +116,8 @@ class ControlPlane:
             (min(settings.hold_lease_seconds / 3, 30.0), self.approvals.tend),  # holds of waiting requests
             (min(settings.session_lease_seconds / 3, 5.0), self.waiters.sweep),  # requests of flows that are gone
             (settings.day_report_seconds, self.reports.publish_day_report),
-            (min(settings.session_lease_seconds / 3, 5.0), self.outcomes.expire)]
+            (min(settings.session_lease_seconds / 3, 5.0), self.outcomes.expire),
+            (2.0, self.runs.refile)]  # replies of runs that ended while the database was down
         if self.checkpoint_dir is not None:
             chores.append((settings.checkpoint_seconds, self.reports.checkpoint_if_moved))
         if self.queue:  # a scheduler that restarted (its queue installed afresh by its preload) gets the weights back

@@ -89,7 +89,7 @@ class WarmBooks:
         if not body.get("kept"):
             return
         key, keep = (body["id"], int(body["runs"])), float(body.get("keep") or 0.0)
-        from aisched_prefect.errors import InvalidLedgerInput
+        from aisched_prefect.errors import InvalidLedgerInput, LedgerUnavailable
         from aisched_prefect.ledger import BudgetExceeded
 
         payload = {"task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body["id"],
@@ -101,6 +101,10 @@ class WarmBooks:
         except (BudgetExceeded, InvalidLedgerInput) as exc:
             self.ledger.record("warm-refused", {**payload, "reason": str(exc)}, **_ids(adm, *key))
             self._end_bodies([body["id"]], f"its idle time is not covered: {exc}")
+            return
+        except LedgerUnavailable as exc:  # the run itself is settled: only its body's idle time goes unheld, so it ends
+            logger.warning("warm body %s ends: its idle time could not be held (%s)", body["id"], exc)
+            self._end_bodies([body["id"]], f"its idle time could not be held: {exc}")
             return
         period = WarmIdle(body["id"], key[1], adm, holds, keep, gpu_type, worker, time.monotonic())
         with self._lock:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from aisched_prefect.errors import AISchedError, ConfigurationError, InvalidAIRequest
+from aisched_prefect.errors import AISchedError, ConfigurationError, InvalidAIRequest, RequestTooLarge
 from aisched_prefect.wire import FRAME, ApprovalView, CallMeta, Reply, frame, unframe
 
 logger = logging.getLogger("aisched_prefect")
@@ -42,6 +42,9 @@ def raise_for_problem(resp: httpx.Response) -> None:
         problem = {"error": resp.text or f"HTTP {resp.status_code}"}
     if resp.status_code == 422:
         raise InvalidAIRequest(problem.get("error", "invalid request"))
+    if resp.status_code == 413:  # the named limit and its setting, as the plane said them
+        raise RequestTooLarge.answered(problem.get("error", "") or "the control plane refused a request as too large "
+                                       "(HTTP 413). Fix: send less, or pass large data by reference")
     raise ControlPlaneError(resp.status_code, problem)
 
 
@@ -83,8 +86,9 @@ class ControlPlaneClient:
                 except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
                     last = exc
                     continue
-                if resp.status_code == 409 and "replica" in resp.text:
-                    last = "busy on another replica"
+                if resp.status_code == 409 and "the client retries" in resp.text:  # Busy: in flight, ask again
+                    last = ("busy on another replica" if len(self.urls) > 1
+                            else "busy: the control plane was still admitting or running it")
                     break
                 self._preferred = k
                 raise_for_problem(resp)

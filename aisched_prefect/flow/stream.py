@@ -30,7 +30,9 @@ import httpx
 
 from aisched_prefect.control.outcomes import result_digest
 from aisched_prefect.flow.direct import fetch_result, lost_report
-from aisched_prefect.errors import AISchedError, ResultLost, ResultMismatch  # noqa: F401 - ResultMismatch: its old home
+from aisched_prefect.errors import (AISchedError, RequestTooLarge, ResultLost,  # noqa: F401 - ResultMismatch: its old home
+                                    ResultMismatch, RunLost)
+from aisched_prefect.flow.following import Following
 from aisched_prefect.wire import FRAME, CallMeta, OutcomesOut, Reply, RunIn, RunsIn, frame, unframe
 
 logger = logging.getLogger("aisched_prefect")
@@ -133,6 +135,12 @@ class LoopThread:
             self.loop.close()
 
 
+def call_size(meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> int:
+    """The bytes one call adds to a runs request (its head's share, its function, its arguments)."""
+    head = len(RunIn(meta=meta, function=0, args_length=len(args_bytes)).model_dump_json()) + 64
+    return head + len(fn_bytes) + len(args_bytes)
+
+
 def _chain(task: asyncio.Task[Any], out: concurrent.futures.Future[Any]) -> None:
     if task.cancelled():
         out.cancel()
@@ -140,6 +148,33 @@ def _chain(task: asyncio.Task[Any], out: concurrent.futures.Future[Any]) -> None
         out.set_exception(task.exception())  # type: ignore[arg-type]
     else:
         out.set_result(task.result())
+
+
+class CallLimit:
+    """The largest call the plane takes (AISCHED_MAX_CALL_BYTES, as its /v1/whoami says; learnt once per flow
+    process). A larger call fails in the flow at once, naming the limit and its setting. Why: the plane answers
+    an oversized body 413, but a client still sending 40 MB may see its connection end first and retry for minutes
+    as if the plane were down."""
+
+    def __init__(self) -> None:
+        self.bytes: int | None = None  # None: unknown (the plane still refuses an oversized call itself)
+        self._learnt: asyncio.Future[None] | None = None
+
+    async def check(self, send: Any, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> None:
+        if self._learnt is None:
+            self._learnt = asyncio.ensure_future(self._learn(send))
+        await asyncio.shield(self._learnt)
+        size = call_size(meta, fn_bytes, args_bytes)
+        if self.bytes is not None and size > self.bytes:
+            raise RequestTooLarge("/v1/runs", size, self.bytes, "AISCHED_MAX_CALL_BYTES")
+
+    async def _learn(self, send: Any) -> None:
+        try:
+            _, resp = await send("GET", "/v1/whoami")
+            said = resp.json().get("max_call_bytes")
+            self.bytes = said if isinstance(said, int) and said > 0 else None
+        except Exception:  # noqa: BLE001 - unknown: the plane still refuses an oversized call itself (413)
+            logger.debug("could not learn the control plane's AISCHED_MAX_CALL_BYTES", exc_info=True)
 
 
 class CallStream:
@@ -164,13 +199,13 @@ class CallStream:
         self._arrived: dict[str, tuple[Reply, bytes]] = {}
         self._next = 0  # the replica the next batch goes to first
         self._down: dict[int, float] = {}  # replica -> until when it is skipped (it stopped answering)
-        self._accepted_at: dict[str, int] = {}  # call key -> the replica that accepted it
-        self._pending_at: dict[int, set[str]] = {}  # replica -> keys it follows for us
+        self._accepted_at: dict[str, tuple[int, str]] = {}  # call key -> the replica (and its life) that accepted it
+        self._follow = Following()  # replica -> the keys it follows for us, and the life of it that accepted each
         self._after: dict[int, int] = {}  # replica -> the last outcome seq seen from it
         self._pollers: dict[int, asyncio.Task[None]] = {}
         self._sent: dict[str, tuple[CallMeta, bytes, bytes]] = {}  # accepted, not ended: sent again on a takeover
-        self._replica_at: dict[int, str] = {}  # replica -> the name it answered its last poll with
         self._submits: asyncio.Semaphore | None = None
+        self.limit = CallLimit()
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
@@ -193,6 +228,7 @@ class CallStream:
     # -- one call ---------------------------------------------------------------------------------
     async def call(self, meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> tuple[Reply, bytes]:
         """Submit one call (batched with its neighbours) and wait, as a coroutine, for how it ended."""
+        await self.limit.check(self._send, meta, fn_bytes, args_bytes)
         reply = await self._accept(meta, fn_bytes, args_bytes)
         out = b""
         if reply.status != "accepted" and reply.key and reply.key in self._arrived:
@@ -231,8 +267,8 @@ class CallStream:
             self._flush = loop.call_later(BATCH_SECONDS, self._send_now)
         reply = await accepted
         if reply.status == "accepted":
-            k = self._accepted_at.pop(reply.key, 0)
-            self._pending_at.setdefault(k, set()).add(reply.key)
+            k, instance = self._accepted_at.pop(reply.key, (0, ""))
+            self._follow.accepted(k, reply.key, instance)
             poller = self._pollers.get(k)
             if poller is None or poller.done():
                 self._pollers[k] = asyncio.ensure_future(self._poll(k))
@@ -256,12 +292,17 @@ class CallStream:
             self._flush.cancel()
             self._flush = None
         batch, self._batch = self._batch, []
+        most = min(BATCH_BYTES, self.limit.bytes or BATCH_BYTES)  # a request the plane takes whole
         while batch:
-            part, size = [], 0
-            while batch and len(part) < BATCH_CALLS and (not part or size < BATCH_BYTES):
-                item = batch.pop(0)
-                part.append(item)
-                size += len(item[1]) + len(item[2])
+            part, size, functions = [], 0, set()
+            while batch and len(part) < BATCH_CALLS:
+                meta, fn, args, _ = batch[0]
+                grows = call_size(meta, fn, args) - (len(fn) if fn in functions else 0)  # a function travels once
+                if part and size + grows > most:
+                    break
+                part.append(batch.pop(0))
+                functions.add(fn)
+                size += grows
             asyncio.ensure_future(self._submit(part))
 
     async def _submit(self, part: list[tuple[CallMeta, bytes, bytes, asyncio.Future[Reply]]],
@@ -281,7 +322,9 @@ class CallStream:
             async with self._submits:
                 k, resp = await self._send("POST", "/v1/runs", first=first, content=body, headers={"content-type": FRAME},
                                            timeout=httpx.Timeout(30.0, read=SUBMIT_READ_SECONDS, pool=None))
-            replies = [Reply.model_validate(r) for r in resp.json()["replies"]]
+            answer = resp.json()
+            replies = [Reply.model_validate(r) for r in answer["replies"]]
+            instance = str(answer.get("instance") or "")
         except BaseException as exc:  # every call of the batch learns why
             for *_, fut in part:
                 if not fut.done():
@@ -289,19 +332,22 @@ class CallStream:
             if not isinstance(exc, Exception):
                 raise
             return
+        if self._follow.seen(k, instance):  # a new life of replica k: its outcome sequence starts again
+            self._after[k] = 0
         retry = []
         for item, reply in zip(part, replies):
             if reply.status == "failed" and reply.error_type == "busy":  # in flight on another replica: ask again
                 retry.append(item)
             elif not item[3].done():
                 if reply.status == "accepted":
-                    self._accepted_at[reply.key] = k
+                    self._accepted_at[reply.key] = (k, instance)
                 item[3].set_result(reply)
         if retry:
             if time.monotonic() > deadline:
+                where = "on another replica of the control plane" if len(self.urls) > 1 else f"at {self.urls[0]}"
                 for *_, fut in retry:
-                    fut.set_exception(AISchedError("the call stayed busy on another replica of the control plane "
-                                                   f"for {self.retry_seconds:g}s. Fix: check the replicas' health"))
+                    fut.set_exception(AISchedError(f"the call stayed busy {where} for {self.retry_seconds:g}s. "
+                                                   "Fix: check the control plane's health and log, then retry the task"))
                 return
             await asyncio.sleep(0.5)
             await self._submit(retry, deadline)
@@ -343,44 +389,45 @@ class CallStream:
         from aisched_prefect.flow.client import ControlPlaneUnavailable
 
         alone = len(self.urls) == 1  # no other replica to go to: wait for this one to come back
-        while self._pending_at.get(k):
+        while self._follow.waiting(k):
+            asked_at = time.monotonic()
             try:
                 _, resp = await self._send("GET", "/v1/outcomes", only=k, patience=None if alone else FAILOVER_SECONDS,
                                            params={"session": self.session, "after": self._after.get(k, 0),
-                                                   "wait": POLL_WAIT_SECONDS})
+                                                   "instance": self._follow.instance(k), "wait": POLL_WAIT_SECONDS})
                 head_bytes, blob = unframe(resp.content)
                 head = OutcomesOut.model_validate_json(head_bytes)
             except asyncio.CancelledError:
                 raise
             except ControlPlaneUnavailable:  # the replica is gone: its calls go to another one, same keys
-                moved = self._pending_at.pop(k, set())
+                moved = self._follow.take(k)
                 if len(self.urls) > 1 and moved:
                     logger.warning("control plane %s stopped answering: sending its %d call(s) to another replica",
                                    self.urls[k], len(moved))
-                    await self._resend({key: self._sent[key] for key in moved if key in self._sent})
+                    await self._resend(moved)
                     continue
                 self._fail(moved, ControlPlaneUnavailable(
                     f"the control plane at {self.urls[k]} stopped answering while {len(moved)} AI task run(s) "
                     "waited for it. Fix: start it again (`aisched serve`): runs re-attach by key"))
                 return
             except Exception as exc:  # the plane refused the session: the waits end with why
-                self._fail(self._pending_at.pop(k, set()), exc)
+                self._fail(self._follow.take(k), exc)
                 return
-            known = self._replica_at.get(k)
-            self._replica_at[k] = head.replica
-            if known is not None and head.replica != known:  # restarted: it knows our calls by key, not our session
-                moved = self._pending_at.pop(k, set())
+            restarted, lost = self._follow.answered(k, head.instance, head.pending, len(head.outcomes), asked_at)
+            if restarted:  # a new life of k: its outcome sequence starts again
                 self._after[k] = 0
-                logger.warning("control plane %s restarted: re-attaching %d waiting call(s)", self.urls[k], len(moved))
-                await self._resend({key: self._sent[key] for key in moved if key in self._sent})
-                continue
             at = 0
             for o in head.outcomes:
                 out = blob[at:at + o.length]
                 at += o.length
                 self._after[k] = max(self._after.get(k, 0), o.seq)
-                self._pending_at.get(k, set()).discard(o.key)
+                self._follow.ended(k, o.key)
+                lost.discard(o.key)
                 self._deliver(o.key, o.reply, out)
+            if lost:  # it knows our calls by key, not our session: sent again, they re-attach (or end as filed)
+                logger.warning("control plane %s lost %d waiting call(s) (restarted?): sending them again",
+                               self.urls[k], len(lost))
+                await self._resend(lost)
 
     def _fail(self, keys: set[str], exc: Exception) -> None:
         for key in keys:
@@ -388,7 +435,22 @@ class CallStream:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
 
-    async def _resend(self, sent: dict[str, tuple[CallMeta, bytes, bytes]]) -> None:
+    async def _resend(self, keys: set[str]) -> None:
+        """Send `keys` again under the same keys (each at most `Following.most_resends` times, then it fails as
+        RunLost): the plane re-attaches them, takes them over, or answers how they ended."""
+        sent: dict[str, tuple[CallMeta, bytes, bytes]] = {}
+        for key in keys:
+            if key not in self._sent or key in self._arrived:
+                continue
+            if self._follow.resend(key):
+                sent[key] = self._sent[key]
+            else:
+                self._fail({key}, RunLost(
+                    f"the control plane lost AI task run {key} {self._follow.most_resends} times (restarted or "
+                    "replaced each time it was sent again): it is not waited for any longer. Fix: check the "
+                    "control plane's log for why it restarts, then retry the task (its key makes a run that did "
+                    "finish return its filed outcome)"))
+
         async def again(key: str, meta: CallMeta, fn: bytes, args: bytes) -> None:
             try:
                 reply = await self._accept(meta, fn, args)
