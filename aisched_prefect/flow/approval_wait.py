@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aisched_prefect.approvals import ApprovalInput
 from prefect.exceptions import Pause
@@ -26,9 +26,6 @@ from aisched_prefect.errors import ApprovalWithdrawn
 from aisched_prefect.flow.client import ControlPlaneError
 from aisched_prefect.wire import ApprovalView
 from aisched_prefect.words import time_left
-
-if TYPE_CHECKING:
-    from aisched_prefect.flow.session import RunnerSession
 
 logger = logging.getLogger("aisched_prefect")
 OPEN = ("pending", "suspended")
@@ -75,7 +72,8 @@ class ApprovalSuspended(Pause):
 class PauseDesk:
     """Waits for people's answers at the control plane, showing the wait as one Prefect pause per flow run."""
 
-    def __init__(self, session: RunnerSession) -> None:
+    def __init__(self, session: Any) -> None:
+        """`session`: the flow run's RunnerSession (its `client` is what the desk talks to)."""
         self.session = session
         self._waiting: dict[str, ApprovalView] = {}
         self._lock = threading.Lock()
