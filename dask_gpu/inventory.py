@@ -56,6 +56,11 @@ class WorkerInventory(BaseModel):
     source: str = "declared"  # "nvml" or "declared"
     host: str = Field(default_factory=socket.gethostname)
     slurm_job: str | None = None  # the Slurm job this worker runs in (dask_gpu.slurm_allocation), None outside one
+    tenant: str | None = None  # the one tenant whose bodies it runs (started with --tenant), None: any tenant
+
+    def serves(self, tenant: str | None) -> bool:
+        """Whether this worker runs bodies of `tenant` (admission and the queue place no other tenant's run here)."""
+        return self.tenant is None or self.tenant == tenant
 
     @property
     def gpu_types(self) -> set[str]:

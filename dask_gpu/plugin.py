@@ -226,6 +226,8 @@ class GPUWorkerPlugin(WorkerPlugin):
 
         plan = self.isolation = self.isolation or plan_for()
         self.tenants = TenantGate(plan)
+        if plan.mode != "shared" and plan.settings.tenant:  # advertised, so no other tenant's run is placed here
+            self.inventory = self.inventory.model_copy(update={"tenant": plan.settings.tenant})
         if plan.mode != "isolated":
             return
         settings = plan.settings

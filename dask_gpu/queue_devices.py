@@ -85,6 +85,7 @@ class DevicePlacement:
         if isinstance(answer, dict) and "inventory" in answer and address in self.addresses:
             inv = WorkerInventory.model_validate(answer["inventory"])
             self.devices[address] = [Device(d.key, d.gpu_type, d.memory_gb) for d in inv.devices]
+            self.tenant_of[address] = inv.tenant
             self._widen_waiting(address)
             self._dispatch()
 
@@ -98,6 +99,8 @@ class DevicePlacement:
             if job.hosts is None or h in job.hosts:
                 continue
             spec = self.specs.get(jid, Spec())
+            if self.tenant_of.get(address) not in (None, job.tenant):  # a worker started for another tenant
+                continue
             need = 1 if spec.share else job.gpus // job.width if job.width > 1 else job.gpus
             if sum(1 for d in devices if (spec.fraction_fits(d) if spec.share else spec.whole_fits(d))) < need:
                 continue

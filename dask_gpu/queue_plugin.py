@@ -87,6 +87,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
         self.preemptions = 0
         self.scheduler: Any = None
         self.devices: dict[str, list[Device]] = {}  # worker address -> its devices, once learned
+        self.tenant_of: dict[str, str | None] = {}  # worker address -> the one tenant it serves (None: any)
         self._learning: dict[str, asyncio.Future] = {}
         self.specs: dict[int, Spec] = {}  # job id -> what it asks of devices (queued or running)
         self.fractions: dict[int, tuple[str, Device, int, float, str]] = {}  # running fractions: (worker, device,

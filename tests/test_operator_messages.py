@@ -56,6 +56,25 @@ def test_a_gpu_type_no_worker_has_is_named_with_what_the_cluster_has():
     assert workers == ["gpu-2"] and types == ["A10"]
 
 
+def test_admission_places_a_run_only_on_workers_that_serve_its_tenant():
+    """A worker started for one tenant (`--tenant`, as every worker in a Slurm job is) advertises it; admission
+    names only the workers that serve the caller's tenant (and those that serve any), so no run is sent to a worker
+    that would refuse it, and a tenant no worker serves is told so with the fix."""
+    from aisched_prefect.control.stages import feasibility
+    from aisched_prefect.request import AIRequest
+
+    cluster = _inventories("3 workers x 1 GPU, 80 GB, H100")
+    cluster["gpu-0"] = cluster["gpu-0"].model_copy(update={"tenant": "team-a"})
+    cluster["gpu-1"] = cluster["gpu-1"].model_copy(update={"tenant": "team-b"})
+    one = AIRequest(kind="training", gpus=1, gpu_type="H100", est_seconds=60)
+    assert feasibility(one, cluster, "team-a")[0] == ["gpu-0", "gpu-2"]
+    assert feasibility(one, cluster, "team-c")[0] == ["gpu-2"]
+    del cluster["gpu-2"]
+    with pytest.raises(AdmissionDenied) as denied:
+        feasibility(one, cluster, "team-c")
+    assert "no worker serves tenant 'team-c'" in denied.value.reason and "--tenant team-c" in denied.value.fix
+
+
 def test_reject_says_the_run_will_not_start(monkeypatch):
     from aisched_prefect.cli import common
 

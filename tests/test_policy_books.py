@@ -274,3 +274,42 @@ def test_the_live_queue_and_the_simulator_read_one_policy_configuration():
         with dask.config.set({"dask-gpu.queue-policy.sharpnes": 3}):
             with pytest.raises(PolicyConfigError, match="sharpnes.*Fix:"):
                 GPUQueuePlugin()
+
+
+def test_a_worker_that_joins_for_another_tenant_is_never_added_to_a_waiting_runs_workers():
+    """A waiting run may start on a worker that joins after its admission, unless that worker was started for
+    another tenant (it would refuse the run): the queue reads the tenant each worker advertises."""
+    tenants = {"tcp://w0": "a", "tcp://w1": "b", "tcp://w2": None}
+
+    class Tenanted(Scheduler):
+        async def broadcast(self, msg, workers, on_error="raise"):
+            got = await super().broadcast(msg, workers, on_error)
+            if msg["op"] == "gpu_inventory":
+                for w, answer in got.items():
+                    answer["inventory"]["tenant"] = tenants[w]
+            return got
+
+    async def scenario():
+        plugin = GPUQueuePlugin(SpyPolicy())
+        scheduler = Tenanted(["tcp://w0"])
+        await plugin.start(scheduler)
+        await asyncio.sleep(0)
+        first = await plugin.place("r1", tenant="a", gpus=2, estimate=600.0, workers=["tcp://w0"])
+        assert first is not None and first["workers"] == ["tcp://w0"]
+        waiting = asyncio.ensure_future(plugin.place("r2", tenant="a", gpus=2, estimate=600.0, workers=["tcp://w0"]))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        for address in ("tcp://w1", "tcp://w2"):
+            scheduler.workers[address] = SimpleNamespace(resources={"GPU": 2}, name=address)
+            plugin.add_worker(scheduler, address)
+            for _ in range(50):  # the queue learns the new worker's inventory
+                if address in plugin.devices:
+                    break
+                await asyncio.sleep(0.01)
+            if address == "tcp://w1":
+                await asyncio.sleep(0.05)
+                assert not waiting.done(), "a run of tenant a was placed on tenant b's worker"
+        started = await asyncio.wait_for(waiting, 5)
+        assert started["workers"] == ["tcp://w2"] and plugin.tenant_of == tenants
+
+    asyncio.run(scenario())

@@ -255,7 +255,7 @@ class Admitter:
             d = hit[2]
             payload.update(estimate=d.estimate.model_dump(), **d.chain_payload)
             return d
-        workers, types = self._feasible(request)
+        workers, types = self._feasible(request, cred.tenant)
         estimate = stages.pricing(bound.budget, request, types)
         payload["estimate"] = estimate.model_dump()
         facts = RunFacts(
@@ -280,12 +280,12 @@ class Admitter:
                 self._decisions[key] = (snap, until, decision.model_copy(update={"shared_from": meta.task_run_id}))
         return decision
 
-    def _feasible(self, request: AIRequest) -> tuple[list[str], list[str]]:
+    def _feasible(self, request: AIRequest, tenant: str | None) -> tuple[list[str], list[str]]:
         """Feasibility against inventories at most a few seconds old; an infeasible answer is re-checked fresh."""
         try:
-            return stages.feasibility(request, self.inventories(False))
+            return stages.feasibility(request, self.inventories(False), tenant)
         except AdmissionDenied:
-            return stages.feasibility(request, self.inventories(True))
+            return stages.feasibility(request, self.inventories(True), tenant)
 
     def _first_of_version(self, bound: stages.Bound, cred: Credential, flow: str | None, function_digest: str) -> bool:
         """No run of this flow with these function bytes was admitted under this authority and tenant yet; read only

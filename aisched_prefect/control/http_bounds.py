@@ -76,11 +76,20 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+DRAIN_IDLE_SECONDS = 2.0  # a client that announced a body and sends none of it is answered after this
+
+
 async def _drain(receive: Any, most: int) -> None:
-    """Read and drop up to `most` bytes of the request's body (until it ends, or the client goes)."""
+    """Read and drop up to `most` bytes of the request's body (until it ends, the client goes, or it sends nothing
+    for DRAIN_IDLE_SECONDS: one that announced 300 MB and waits is answered, not kept waiting for bytes)."""
+    import asyncio
+
     read = 0
     while read < most:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), DRAIN_IDLE_SECONDS)
+        except asyncio.TimeoutError:
+            return
         if message["type"] != "http.request":
             return
         read += len(message.get("body", b""))

@@ -62,9 +62,19 @@ def configuration(snap: Snapshot, cred: Credential) -> Bound:
     return Bound(found["authority"], found["budget"], found["policy"], found["cluster"])  # type: ignore[arg-type]
 
 
-def feasibility(request: AIRequest, inventories: dict[str, WorkerInventory]) -> tuple[list[str], list[str]]:
-    """Stage 1: the workers that could ever hold the request, and the GPU types it could land on."""
+def feasibility(request: AIRequest, inventories: dict[str, WorkerInventory],
+                tenant: str | None = None) -> tuple[list[str], list[str]]:
+    """Stage 1: the workers that could ever hold the request, and the GPU types it could land on: only workers that
+    serve the caller's tenant (a worker started for one tenant, `--tenant`, refuses every other's run)."""
     gpu_request = request.gpu_request()
+    if gpu_request.gpus:
+        theirs = {name: inv for name, inv in inventories.items() if inv.serves(tenant)}
+        if inventories and not theirs:
+            raise AdmissionDenied("feasibility", f"no worker serves tenant {tenant!r}: every worker was started for "
+                                  f"another tenant ({', '.join(sorted({str(i.tenant) for i in inventories.values()}))})",
+                                  f"start a worker for {tenant!r} (dask-gpu-worker --tenant {tenant}), or one that "
+                                  "isolates tenants (as root with bubblewrap)")
+        inventories = theirs
     have: dict[str, int] = {}
     for inv in inventories.values():
         for d in inv.devices:
