@@ -135,8 +135,11 @@ def test_a_worker_in_a_slurm_job_advertises_its_allocation_and_serves_one_tenant
             except Exception as exc:  # refused: its message, as the flow sees it
                 return exc
 
+        # Never sent to the worker that would refuse it (tests/attacks/test_unisolated_tenant.py shows that worker's
+        # own refusal): the worker advertises its one tenant, and admission says no worker serves team-b.
         refused = team_b_flow()
-        assert isinstance(refused, Exception) and "serves tenant 'team-a' only" in str(refused), refused
+        assert isinstance(refused, Exception) and "no worker serves tenant 'team-b'" in str(refused), refused
+        assert "--tenant team-b" in str(refused)
     finally:
         cluster.close()
 
