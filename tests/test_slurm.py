@@ -26,6 +26,10 @@ from aisched_prefect import ai_task
 from tests.clusterprocs import BIN, REPO, ClusterProcs
 from tests.helpers import authority, tenant
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
+from tests.slurm_walkthrough import (  # noqa: F401 - collected here: one test process runs every Slurm (see there)
+    test_the_page_marks_its_slurm_walk_through,
+    test_the_slurm_walk_through_runs_as_written,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.usefixtures("prefect_api"), pytest.mark.timeout(900)]
 

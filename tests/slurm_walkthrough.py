@@ -5,6 +5,10 @@ in one `bash` with HOME in a temporary folder, SLURM_CONF naming the test's own 
 GRES gpu:h100 stand-ins in partition `gpu`) and the page's port numbers (4200, 8786, 8787, 8790) replaced by free
 ones. Between steps the test checks what a reader would see, and the ledger behind it. Skipped, with the reason,
 where Slurm cannot start (a failure where AISCHED_REQUIRE_SLURM is set, as in CI).
+
+Collected through tests/test_slurm.py (imported there), so every test that starts a Slurm runs in one test process:
+two Slurms of one session in two xdist processes failed each other's job launches (munge "Unauthorized
+credential"), one after the other in one process they do not.
 """
 
 from __future__ import annotations
