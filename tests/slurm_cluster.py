@@ -58,6 +58,18 @@ def why_not() -> str | None:
     return None
 
 
+def started_or_skip(cluster: SlurmCluster) -> SlurmCluster:
+    """Start it; where it cannot start, skip the test saying why (fail instead where AISCHED_REQUIRE_SLURM is set)."""
+    import pytest
+
+    try:
+        return cluster.start()
+    except SlurmUnavailable as exc:
+        if os.environ.get("AISCHED_REQUIRE_SLURM"):
+            pytest.fail(f"AISCHED_REQUIRE_SLURM is set but the test Slurm cannot start: {exc}")
+        pytest.skip(str(exc).splitlines()[0])
+
+
 class SlurmCluster:
     """One controller, one node (`gpus` GRES gpu stand-ins of `gpu_type`), one partition `gpu`."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
+from tests.slurm_cluster import SlurmCluster, started_or_skip
 from tests.test_walkthrough import ROOT, Shell, Step, free_port, steps
 
 PAGE = ROOT / "docs" / "how-to" / "slurm-kubernetes.md"
@@ -36,12 +36,7 @@ def test_the_page_marks_its_slurm_walk_through():
 
 def test_the_slurm_walk_through_runs_as_written(tmp_path):
     slurm = SlurmCluster(tmp_path / "slurm", gpus=4, gpu_type="h100")
-    try:
-        slurm.start()
-    except SlurmUnavailable as exc:
-        if os.environ.get("AISCHED_REQUIRE_SLURM"):
-            pytest.fail(f"AISCHED_REQUIRE_SLURM is set but the test Slurm cannot start: {exc}")
-        pytest.skip(str(exc).splitlines()[0])
+    started_or_skip(slurm)
     home = tmp_path / "home"
     home.mkdir()
     (tmp_path / "dask-scratch").mkdir()

@@ -25,7 +25,7 @@ from prefect.context import FlowRunContext
 from aisched_prefect import ai_task
 from tests.clusterprocs import BIN, REPO, ClusterProcs
 from tests.helpers import authority, tenant
-from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
+from tests.slurm_cluster import SlurmCluster, started_or_skip
 from tests.slurm_walkthrough import (  # noqa: F401 - collected here: one test process runs every Slurm (see there)
     test_the_page_marks_its_slurm_walk_through,
     test_the_slurm_walk_through_runs_as_written,
@@ -39,12 +39,7 @@ NODE = "2 GPUs, 80 GB, H100"  # the node's GPUs, as a worker without NVML is tol
 @pytest.fixture
 def slurm(tmp_path, monkeypatch):
     cluster = SlurmCluster(tmp_path / "slurm", gpus=2, gpu_type="h100")
-    try:
-        cluster.start()
-    except SlurmUnavailable as exc:
-        if os.environ.get("AISCHED_REQUIRE_SLURM"):
-            pytest.fail(f"AISCHED_REQUIRE_SLURM is set but the test Slurm cannot start: {exc}")
-        pytest.skip(str(exc).splitlines()[0])
+    started_or_skip(cluster)
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # the control plane asks Slurm how a worker's job ended
     yield cluster
     cluster.close()

@@ -31,13 +31,13 @@ class Job:
     width: int = 0  # a gang over exactly this many whole hosts (0: the fewest whole hosts that hold its GPUs)
 
 
-@dataclass(frozen=True, slots=True)
-class Start:
-    """Start `job` on `host`; a gang on every host of `gang` (whole hosts; `host` is the first of them)."""
+class OnHosts:
+    """What a started and a running job both say of where they hold GPUs (a job, its first host, its gang)."""
 
+    __slots__ = ()
     job: Job
     host: int
-    gang: Holds = ()
+    gang: Holds
 
     @property
     def holds(self) -> Holds:
@@ -48,8 +48,17 @@ class Start:
         return tuple(h for h, _ in self.holds)
 
 
+@dataclass(frozen=True, slots=True)
+class Start(OnHosts):
+    """Start `job` on `host`; a gang on every host of `gang` (whole hosts; `host` is the first of them)."""
+
+    job: Job
+    host: int
+    gang: Holds = ()
+
+
 @dataclass(slots=True)
-class Running:
+class Running(OnHosts):
     job: Job
     host: int
     start: float
@@ -58,14 +67,6 @@ class Running:
     @property
     def expected_end(self) -> float:
         return self.start + self.job.estimate
-
-    @property
-    def holds(self) -> Holds:
-        return self.gang or ((self.host, self.job.gpus),)
-
-    @property
-    def hosts(self) -> tuple[int, ...]:
-        return tuple(h for h, _ in self.holds)
 
 
 @dataclass
