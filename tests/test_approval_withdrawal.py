@@ -24,7 +24,8 @@ from tests.helpers import PRINCIPAL, ask_for_training, tenant, wait_until
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 FLOW_SCRIPT = textwrap.dedent('''
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGUSR1, file=open(sys.argv[3], "w"), all_threads=True)  # the test's diagnosis
     from prefect import flow
     from prefect.context import FlowRunContext
     from aisched_prefect import AISchedTaskRunner, ai_task
@@ -58,10 +59,7 @@ def _cancel(flow_run_id: str) -> None:
         client.set_flow_run_state(flow_run_id, Cancelling(message="cancelled from the UI"))
 
 
-@pytest.mark.parametrize("how", [
-    pytest.param("ctrl-c", marks=pytest.mark.xfail(strict=False, reason="known defect, issue 32: on a loaded host the "
-                                                   "request was not withdrawn within 30 s of SIGINT (twice); quiet, it is")),
-    "sigterm", "prefect-cancel"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "prefect-cancel"])
 def test_a_waiting_flow_that_is_stopped_withdraws_its_request_within_5_s(control_plane, tmp_path, how):
     from prefect.settings import PREFECT_API_URL
 
@@ -71,7 +69,8 @@ def test_a_waiting_flow_that_is_stopped_withdraws_its_request_within_5_s(control
     script.write_text(FLOW_SCRIPT)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script), control_plane.url, t.token], stdout=subprocess.PIPE,
+    stacks = tmp_path / "stacks.txt"
+    proc = subprocess.Popen([sys.executable, str(script), control_plane.url, t.token, str(stacks)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         flow_run_id = proc.stdout.readline().strip()
@@ -95,8 +94,13 @@ def test_a_waiting_flow_that_is_stopped_withdraws_its_request_within_5_s(control
             proc.send_signal(signal.SIGTERM)
         else:
             _cancel(flow_run_id)
-        gone = wait_until(lambda: (v := control_plane.ok("GET", f"/v1/approvals/{view['id']}"))["status"] == "withdrawn"
-                          and v, 30, what="the request withdrawn")
+        try:
+            gone = wait_until(lambda: (v := control_plane.ok("GET", f"/v1/approvals/{view['id']}"))["status"]
+                              == "withdrawn" and v, 30, what="the request withdrawn")
+        except AssertionError as exc:  # say where the flow process is, not only that it did not withdraw
+            proc.send_signal(signal.SIGUSR1)
+            dumped = wait_until(lambda: "File " in stacks.read_text() and stacks.read_text(), 10, what="stacks")
+            raise AssertionError(f"{exc}; the flow process's threads:\n{dumped[-12000:]}") from None
         took = time.monotonic() - started
         assert took < 5.0, f"withdrawn {took:.1f} s after the stop"
         assert "withdrawn" in gone["reason"]
@@ -133,7 +137,8 @@ def test_a_request_whose_flow_process_died_is_withdrawn_after_the_lease_and_a_su
 
     ledger = Ledger(sqlite_url)
     book = ApprovalBook(ledger, AuthorityState(ledger), "http://cp")
-    waiters = Waiters(book, lease_seconds=1.0)
+    now = [time.time()]  # the sweep's clock, moved by the test: a loaded host's slow writes do not age a request
+    waiters = Waiters(book, lease_seconds=60.0, clock=lambda: now[0])
 
     def ask(flow_run: str):
         ids = {"flow_run_id": flow_run, "task_run_id": f"tr-{flow_run}", "principal": PRINCIPAL}
@@ -151,12 +156,9 @@ def test_a_request_whose_flow_process_died_is_withdrawn_after_the_lease_and_a_su
     dead, alive, suspended = ask("dead"), ask("alive"), ask("suspended")
     book.suspend(suspended.id)
     assert waiters.sweep() == []  # just asked: each was seen when it was filed
-
-    def swept() -> list[str]:
-        waiters.seen(alive.id)  # this flow still polls
-        return waiters.sweep()
-
-    assert wait_until(swept, 30, what="the dead flow's request swept") == [dead.id]
+    now[0] = time.time() + 61  # a lease later, one flow still polls
+    waiters.seen(alive.id)
+    assert waiters.sweep() == [dead.id]
     assert book.view(dead.id).status == "withdrawn" and "stopped polling" in book.view(dead.id).reason
     assert book.view(alive.id).status == "pending" and book.view(suspended.id).status == "suspended"
     pending = {a["period"]: a["pending"] for a in ledger.accounts()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import sqlalchemy as sa
 
@@ -28,14 +28,15 @@ logger = logging.getLogger("aisched_prefect.control")
 class Waiters:
     """The liveness of the flows that asked: marked by their polls, ended by their stop or their silence."""
 
-    def __init__(self, book: ApprovalBook, lease_seconds: float) -> None:
-        self.book, self.lease_seconds = book, lease_seconds
+    def __init__(self, book: ApprovalBook, lease_seconds: float, clock: Callable[[], float] = time.time) -> None:
+        """`clock`: wall-clock seconds (a test's own, so the lease is judged without waiting on a loaded host)."""
+        self.book, self.lease_seconds, self.clock = book, lease_seconds, clock
 
     def seen(self, approval_id: str) -> None:
         """The flow that asked polled for this request: it, and every open request of its flow run (one poll at a
         time serves a whole `.map()`'s requests), still have someone waiting. At most one write a second."""
         row = self.book._row(approval_id)
-        now = time.time()
+        now = self.clock()
         where = ((approvals.c.flow_run_id == row.flow_run_id) & (approvals.c.principal == row.principal)
                  & (approvals.c.status == "pending") & (approvals.c.suspended == sa.false())
                  & ((approvals.c.seen == sa.null()) | (approvals.c.seen < now - 1.0)))
@@ -57,7 +58,7 @@ class Waiters:
 
     def sweep(self) -> list[str]:
         """Withdraw the open requests no flow has polled for the lease (its process died); their ids."""
-        cutoff = time.time() - self.lease_seconds
+        cutoff = self.clock() - self.lease_seconds
         with self.book.ledger.reader.connect() as conn:
             ids = conn.execute(sa.select(approvals.c.id).where(
                 (approvals.c.status == "pending") & (approvals.c.suspended == sa.false())

@@ -79,7 +79,11 @@ class PauseDesk:
         self._lock = threading.Lock()
         self._leading = False
         self._stop = threading.Event()
+        self._stopping = threading.Lock()
         self._why = ""
+        self._interrupted: str | None = None
+        self._signalled = threading.Event()  # set only by the signal handler (never elsewhere in the main thread)
+        self._watcher: threading.Thread | None = None
 
     # -- one run's wait ---------------------------------------------------------------------------
     def wait(self, view: ApprovalView, *, deployment: bool = False) -> ApprovalView:
@@ -89,6 +93,9 @@ class PauseDesk:
             return self._suspend(view)
         with self._lock:
             self._waiting[view.id] = view
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="aisched-approval-signals", daemon=True)
+                self._watcher.start()
         try:
             while True:
                 current = client.approval(view.id)
@@ -113,22 +120,42 @@ class PauseDesk:
             with self._lock:
                 self._waiting.pop(view.id, None)
 
+    def interrupt(self, why: str) -> None:
+        """Ctrl-C or SIGTERM, called from the signal handler in the main thread: the desk's watcher withdraws at
+        once, while Prefect's crash handling runs there (it reports to the Prefect API first, slowly under load).
+        Safe in a handler: the main thread takes `_signalled`'s lock nowhere else."""
+        self._interrupted = why
+        self._signalled.set()
+
+    def _watch(self) -> None:
+        """Withdraw on a signal; a thread only while this session waits for people."""
+        while not self._stop.is_set():
+            if self._signalled.wait(0.5):
+                self.stop(self._interrupted or "the flow was stopped by a signal")
+                return
+            with self._lock:
+                if not self._waiting:
+                    self._watcher = None
+                    return
+
     def stop(self, why: str) -> None:
         """The flow stops waiting: withdraw every open request of this session (their holds released at once) and
-        end the waits. Called by the session's close (Ctrl-C, SIGTERM, the flow ended) and on a cancellation."""
-        if self._stop.is_set():
-            return
-        self._why = why
-        self._stop.set()
-        with self._lock:
-            ids = list(self._waiting)
-        for approval_id in ids:
-            try:
-                self.session.client.post(f"/v1/approvals/{approval_id}/withdraw", {"reason": why})
-            except ControlPlaneError as exc:  # the plane withdraws it anyway once the flow stops polling
-                logger.warning("could not withdraw approval request %s: %s", approval_id, exc)
-        if ids:
-            logger.warning("withdrew %d approval request(s): %s", len(ids), why)
+        end the waits. Called on a signal, by the session's close (the flow ended) and on a cancellation; a second
+        call waits for the first's withdrawals (the session closes its client after)."""
+        with self._stopping:
+            if self._stop.is_set():
+                return
+            self._why = why
+            self._stop.set()
+            with self._lock:
+                ids = list(self._waiting)
+            for approval_id in ids:
+                try:
+                    self.session.client.post(f"/v1/approvals/{approval_id}/withdraw", {"reason": why})
+                except ControlPlaneError as exc:  # the plane withdraws it anyway once the flow stops polling
+                    logger.warning("could not withdraw approval request %s: %s", approval_id, exc)
+            if ids:
+                logger.warning("withdrew %d approval request(s): %s", len(ids), why)
 
     def _describe(self) -> str:
         with self._lock:

@@ -9,6 +9,7 @@ Plain `@task` tasks run in the flow process's threads exactly as under
 
 from __future__ import annotations
 
+import signal
 import threading
 from typing import Any
 
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from aisched_prefect.flow.config import REFUSED, RunnerConfig
 from aisched_prefect.errors import ConfigurationError, NoAdmissionContext
 from aisched_prefect.flow.session import RunnerSession
+from aisched_prefect.flow.signals import WHY, StopSignals
 from aisched_prefect.flow.stream import LoopThread
 from aisched_prefect.flow.taskcontext import AdmittingRunner
 
@@ -74,6 +76,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
         self._entered = False
         self._lock = threading.Lock()
         self._loop: LoopThread | None = None
+        self._signals = StopSignals(self._stop_signal)
 
     @property
     def config(self) -> RunnerConfig:
@@ -133,9 +136,17 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
     def __enter__(self) -> AISchedTaskRunner:
         super().__enter__()
         self._entered = True
+        self._signals.__enter__()
         return self
 
+    def _stop_signal(self, why: str) -> None:
+        """A signal handler's part (no locks): the session's waits for people end and withdraw at once."""
+        session = self._session
+        if session is not None:
+            session.interrupt(why)
+
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        self._signals.__exit__()
         try:
             super().__exit__(exc_type, exc_value, traceback)  # waits for running task engines
         finally:
@@ -155,6 +166,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._signals = StopSignals(self._stop_signal)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -164,6 +176,7 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
         state["_entered"] = False
         state["_loop"] = None
         state.pop("_lock", None)
+        state.pop("_signals", None)
         return state
 
 
@@ -173,9 +186,9 @@ def stopped_by(exc_type: Any) -> str:
     if exc_type is None:
         return "the flow run ended while it waited"
     if name == "KeyboardInterrupt":
-        return "the flow was interrupted (Ctrl-C)"
+        return WHY[signal.SIGINT]
     if name == "TerminationSignal":
-        return "the flow process was terminated (SIGTERM)"
+        return WHY[signal.SIGTERM]
     return f"the flow run stopped ({name})"
 
 

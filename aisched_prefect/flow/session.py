@@ -166,6 +166,12 @@ class RunnerSession:
         self.stream = CallStream([info["url"]], info["token"])
         self.identity = self.client.whoami()
 
+    def interrupt(self, why: str) -> None:
+        """A signal stopped the flow (called from its handler: no locks): the waits for people end and withdraw."""
+        desk = getattr(self, "_desk", None)
+        if desk is not None:
+            desk.interrupt(why)
+
     def close(self, why: str = "the flow run ended while it waited") -> None:
         """End the session: withdraw what still waits for a person (`why` is recorded), publish the evidence
         artifact, close the stream, the client and an embedded plane."""
