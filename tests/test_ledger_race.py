@@ -25,6 +25,8 @@ from aisched_prefect import Ledger
 from aisched_prefect.ledger import holds
 from blocks import BudgetLine
 
+pytestmark = pytest.mark.slow  # eight racing processes on each database: minutes on a busy host
+
 CLIENT = Path(__file__).with_name("ledger_race_client.py")
 PROCESSES, THREADS, SECONDS = 8, 16, 4.0
 # Half the threads hold for 1 s: their abandoned holds run out and expire during the race (lazily, when a

@@ -20,7 +20,7 @@ from aisched_prefect import ai_task
 from tests.controlplane import ControlPlaneProcess
 from tests.helpers import tenant, wait_until
 
-pytestmark = pytest.mark.usefixtures("prefect_api")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]  # plane outages: minutes each
 
 RUNS = 40
 

@@ -18,7 +18,7 @@ from aisched_prefect import AISchedTaskRunner, ai_task
 from tests.controlplane import ControlPlaneProcess
 from tests.helpers import authority, budget
 
-pytestmark = [pytest.mark.usefixtures("prefect_api"), pytest.mark.postgres]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api"), pytest.mark.postgres]  # a replica killed
 
 
 @ai_task(gpus=1, kind="inference", est_seconds=30)
