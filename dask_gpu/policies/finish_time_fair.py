@@ -15,7 +15,7 @@ from dask_gpu.policies.estimates import EstimatePlanning
 from dask_gpu.policies.fairness_books import FairnessBooks
 from dask_gpu.policies.fifo import EasyBackfill
 from dask_gpu.policies.interface import ClusterState, Job, Preemption, Start
-from dask_gpu.policies.placement import Reserved, drain_times, fits_somewhere, place, reclaim, reservation, with_starts
+from dask_gpu.policies.placement import NoRoom, Reserved, drain_times, fits_somewhere, place, reclaim, reservation, with_starts
 from dask_gpu.policies.starvation import StarvationBound
 
 LIVE_HALF_LIFE = 7 * 24 * 3600.0  # the live queue's fairness memory halves weekly (Slurm's PriorityDecayHalfLife)
@@ -284,10 +284,13 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
         holders: set[str] = set()
         looked = 0
         drain = drain_times(now, state) if self.align else None
+        no_room = NoRoom(state)  # shapes that found no place: a wider and longer run is not tried (same decisions)
         for job in self.order(now, state):
             if max(state.free) == 0:
                 break
-            if fits_somewhere(job, state):  # 2. and 4.
+            if no_room.hopeless(job):
+                pass
+            elif fits_somewhere(job, state):  # 2. and 4.
                 start = place(job, now, state, reserved, drain)
                 if start is not None:
                     state.take(start)
@@ -296,6 +299,9 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
                         for h in start.hosts:
                             drain[h] = max(drain[h], now + job.estimate)
                     continue
+                no_room.saw(job, fits=True)
+            else:
+                no_room.saw(job, fits=False)
             looked += 1
             if looked > self.depth:
                 break
