@@ -72,6 +72,8 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
     overrun factor (`estimates.Estimates`, with `correct_estimates`), so
     declaring short buys no place in the queue.
 
+    With `starve_after`, a light tenant's run that waited that long goes first, on a reservation (`starvation`).
+
     No GPU is held back beyond the reservations. A heavy tenant's alone times
     are long (its private pool would be swamped), so it is rarely behind and
     its jobs go shortest first; a light tenant falls behind as soon as its

@@ -9,10 +9,11 @@ weight's part of the cluster among the tenants that run or wait now, and its
 part of the waiting work is no larger than that), the run goes first and
 always holds an EASY reservation (Slurm's and Maui's reservation for a starved
 job; Themis bounds a tenant's wait by its lease length the same way). Nothing
-then starts where it would delay it: it starts when the GPUs it reserved free,
-at most `starve_after` + the longest planned run left there after it arrived,
-never after the heavy backlog. No run is stopped and no GPU is idle beyond the
-reservation, so the cost is the reservation's hole (measured in
+then starts where it would delay it: it starts when the GPUs it reserved free
+(if runs end by their planned estimates and no older starved run holds those
+GPUs: by `starve_after` + the longest planned run there), not after the heavy
+backlog. No run is stopped; the cost is the room the reservation holds idle and
+long runs of light tenants served before short runs of others (measured in
 docs/benchmarks/simulator.md, "Light tenants").
 """
 
