@@ -39,3 +39,11 @@ def test_explain_shows_the_factor_the_queue_planned_a_run_on(control_plane):
     text = explain(records)
     assert "queue: estimate 1 s planned as declared" in text
     assert f"queue: estimate 1 s x {plans[1]['factor']:.3g} (tenant history) = {plans[1]['planned']:.0f} s planned" in text
+
+
+def test_the_plan_line_reads_as_its_examples_say():
+    import doctest
+
+    import aisched_prefect.report
+
+    assert doctest.testmod(aisched_prefect.report).failed == 0
