@@ -151,6 +151,20 @@ def export_line(record: EvidenceRecord) -> dict[str, Any]:
     return {"schema": EVIDENCE_SCHEMA, **record.model_dump(mode="json")}
 
 
+def _plan_line(plan: dict[str, Any]) -> str:
+    """The estimate the GPU queue planned a run on, in words: declared x its tenant's overrun factor.
+
+    >>> _plan_line({"declared": 600.0, "factor": 1.8, "planned": 1080.0})
+    'estimate 600 s x 1.8 (tenant history) = 1080 s planned'
+    >>> _plan_line({"declared": 600.0, "factor": 1.0, "planned": 600.0})
+    'estimate 600 s planned as declared (x 1: the tenant has not overrun its estimates)'
+    """
+    declared, factor, planned = plan.get("declared", 0.0), plan.get("factor", 1.0), plan.get("planned", 0.0)
+    if factor <= 1.0:
+        return f"estimate {declared:.0f} s planned as declared (x 1: the tenant has not overrun its estimates)"
+    return f"estimate {declared:.0f} s x {factor:.3g} (tenant history) = {planned:.0f} s planned"
+
+
 def explain(records: list[EvidenceRecord]) -> str:
     """For a person: why each task run in `records` was allowed or denied, under which chain, by whom, at what cost."""
     if not records:
@@ -208,6 +222,8 @@ def explain(records: list[EvidenceRecord]) -> str:
                 where = (f" on {place.get('name') or place.get('worker')} devices {_devices(place.get('devices'))}"
                          + (f" (Slurm job {place['slurm_job']})" if place.get("slurm_job") else "") if place else "")
                 out.append(f"  [{r.seq}] SETTLED {p.get('outcome')}{where}" + (f"; error: {p['error']}" if p.get("error") else ""))
+                if place.get("queue_plan"):
+                    out.append(f"        queue: {_plan_line(place['queue_plan'])}")
                 for m in place.get("members") or []:  # a multi-host run: each member
                     out.append(f"        member {m.get('member')}: {m.get('name') or m.get('worker')} devices "
                                f"{_devices(m.get('devices'))}, {m.get('seconds', 0):.1f}s"

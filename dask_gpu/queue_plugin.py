@@ -306,6 +306,9 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
     def _answer(self, jid: int, worker: dict[str, Any] | None) -> None:
         fut = self.answers.get(jid)
         if fut is not None and not fut.done():
+            estimates = getattr(self.policy, "estimates", None)  # what it was planned on goes to its evidence
+            if worker is not None and estimates is not None and (plan := estimates.plan_of(jid)) is not None:
+                worker = {**worker, "plan": plan}
             fut.set_result(worker)
 
     def _dispatch(self) -> None:

@@ -405,3 +405,21 @@ def test_ours_withdraws_a_job_that_waited_past_overdue():
     policy.withdraw([late])
     assert policy.waiting() == 1 and [j.id for j in policy.order(1001.0, state)] == [2]
     assert policy.alone_sum["a"] == pytest.approx(policy.alone[2])  # only the job still waiting counts
+
+
+def test_skipping_runs_wider_and_longer_than_one_that_found_no_place_changes_no_decision(monkeypatch):
+    """`NoRoom` (a decision's shortcut with a long queue) starts exactly what looking at every run would start: on a
+    random busy workload with gangs, host restrictions and estimates that miss, every start is at the same time."""
+    import random
+
+    from dask_gpu.policies.config import PolicyConfig
+    from dask_gpu.policies.placement import NoRoom
+
+    rng = random.Random(11)
+    jobs = [Job(id=i, tenant=f"t{rng.randrange(5)}", gpus=rng.choice([1, 1, 2, 4, 8, 16]), submit=rng.uniform(0, 20000),
+                estimate=rng.uniform(60, 4 * 3600), hosts=frozenset({0, 1}) if i % 9 == 0 else None)
+            for i in range(600)]
+    ran = {j.id: j.estimate * rng.uniform(0.2, 1.5) for j in jobs}
+    fast = simulate(jobs, ran, PolicyConfig().build(), 4, 8, batch=True).started
+    monkeypatch.setattr(NoRoom, "hopeless", lambda self, job: False)
+    assert simulate(jobs, ran, PolicyConfig().build(), 4, 8, batch=True).started == fast

@@ -25,6 +25,7 @@ class Placement:
     devices: list[list[str]] | None = None
     shares: list[float] = field(default_factory=list)
     body: str | None = None  # an idle warm body of the run's key the queue chose (its worker checks the key)
+    plan: dict[str, float] | None = None  # the estimate the queue planned it on: declared, factor, planned
 
 
 class Lost(Exception):

@@ -133,6 +133,7 @@ class Settlement:
         placement = {"worker": run.worker, "name": run.name, "host": run.host, "devices": run.device_keys,
                      "gpu_type": run.gpu_type,
                      "source": run.source, **({"slurm_job": run.slurm_job} if run.slurm_job else {}),
+                     **({"queue_plan": state.placement.plan} if state.placement and state.placement.plan else {}),
                      "live": None if run.live is None else {k: v.model_dump() for k, v in run.live.items()}}
         if members:  # a multi-host run: every member, where it ran and on which devices
             placement.update(workers=[m["worker"] for m in members], members=members,

@@ -39,8 +39,8 @@ class PolicyConfig(BaseModel):
     learn: bool = True
     estimate_memory: float = Field(100.0, ge=1, description="runs a tenant's overrun factor remembers")
     correct_estimates: bool = True
-    turnover_hosts: int = Field(0, ge=0, description="hosts kept for runs that end within turnover_seconds")
-    turnover_seconds: float = Field(3600.0, gt=0, description="time rule: the light tenant's bound on a host's turnover")
+    starve_after: float = Field(0.0, ge=0, description="starvation bound: a tenant below its quota whose oldest waiting "
+                                "run has waited this many seconds gets it served first, on an EASY reservation (0: off)")
     batch_events: bool = Field(True, description="one pass per burst of simultaneous events, as the live plugin "
                                                  "dispatches once per event-loop turn (the simulator follows it)")
 

@@ -123,6 +123,21 @@ class Estimates:
             self._factors.pop(tenant, None)
         self.past_now = past
 
+    def plan_of(self, job_id: int) -> dict[str, float] | None:
+        """What the queue planned a run on, for its evidence (`aisched explain`): its declared estimate, its tenant's
+        factor then, and the planned estimate; None for a run it does not hold.
+
+        >>> e = Estimates()
+        >>> e.learn("a", 600.0, 1080.0), e.plan(Job(1, "a", 1, 0.0, 600.0)).estimate, e.plan_of(1)
+        (None, 1080.0, {'declared': 600.0, 'factor': 1.8, 'planned': 1080.0})
+        """
+        known = self.view.get(job_id)
+        if known is None:
+            return None
+        planned, declared = known
+        factor = planned.estimate / declared if declared > 0 else 1.0
+        return {"declared": declared, "factor": round(factor, 6), "planned": planned.estimate}
+
     def status(self) -> dict[str, float]:
         """Each tenant's factor, for people (`aisched cluster`): 1.0 for a tenant that never ran past its estimate."""
         return {t: round(self.factor(t), 3) for t in sorted(set(self.ratios) | set(self.past_now))}

@@ -15,12 +15,13 @@ from dask_gpu.policies.estimates import EstimatePlanning
 from dask_gpu.policies.fairness_books import FairnessBooks
 from dask_gpu.policies.fifo import EasyBackfill
 from dask_gpu.policies.interface import ClusterState, Job, Preemption, Start
-from dask_gpu.policies.placement import Reserved, drain_times, fits_somewhere, place, reclaim, reservation, with_starts
+from dask_gpu.policies.placement import NoRoom, Reserved, drain_times, fits_somewhere, place, reclaim, reservation, with_starts
+from dask_gpu.policies.starvation import StarvationBound
 
 LIVE_HALF_LIFE = 7 * 24 * 3600.0  # the live queue's fairness memory halves weekly (Slurm's PriorityDecayHalfLife)
 
 
-class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
+class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackfill):
     """Ours: shortest first, except for tenants whose jobs are finishing later than they would alone.
 
     Finish-time fairness (Themis) online: each job gets, at submit, an *alone*
@@ -71,6 +72,8 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
     overrun factor (`estimates.Estimates`, with `correct_estimates`), so
     declaring short buys no place in the queue.
 
+    With `starve_after`, a light tenant's run that waited that long goes first, on a reservation (`starvation`).
+
     No GPU is held back beyond the reservations. A heavy tenant's alone times
     are long (its private pool would be swamped), so it is rarely behind and
     its jobs go shortest first; a light tenant falls behind as soon as its
@@ -85,7 +88,7 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
                  align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
                  sharpness: float = 4.0, estimate_memory: float = 100.0, correct_estimates: bool = True,
-                 turnover_hosts: int = 0, turnover_seconds: float = 3600.0) -> None:
+                 starve_after: float = 0.0) -> None:
         super().__init__()
         self._open_books(weights, horizon, half_life, learn)
         self._open_estimates(estimate_memory, correct_estimates)
@@ -102,7 +105,7 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
         self.last_any = -math.inf
         self.claims: dict[int, Job] = {}  # waiting jobs that runs were preempted for: served first
         self.sharpness = sharpness
-        self.turnover_hosts, self.turnover_seconds = turnover_hosts, turnover_seconds
+        self._open_starvation(starve_after)
 
     # -- the queue ----------------------------------------------------------------------
     def submit(self, job: Job, state: ClusterState) -> None:
@@ -115,6 +118,7 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
         if self.overdue:
             heapq.heappush(self.due, (self._due(job), job.id, job))
         bisect.insort(self.by_estimate, (-job.estimate, -job.gpus, job.id, job))
+        self._waits(job)
         self.count += 1
         self.waiting_work += job.gpus * job.estimate
         self.last_any = max(self.last_any, job.submit)
@@ -129,6 +133,7 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
             self.is_late.discard(job.id)
             _delete(self.late, ((-job.priority, self._due(job)), job.id), job)
         _delete(self.by_estimate, (-job.estimate, -job.gpus, job.id), job)
+        self._waits_no_more(job)
         self.count -= 1
         self.waiting_work -= job.gpus * job.estimate
 
@@ -182,6 +187,14 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
                 if job.priority >= top:
                     first.add(jid)
                     yield job
+        self.starved_now = set()
+        if self.starve_after and state is not None and live:  # starved runs of light tenants (`starvation`)
+            top = max(-q[0][0][0] for q in live.values())  # priority still comes before all
+            for job in self.starved(now, state):
+                if job.priority >= top and job.id not in first:
+                    first.add(job.id)
+                    self.starved_now.add(job.id)
+                    yield job
         if self.tail and state is not None and live and now - self.last_any >= self.tail_quiet:
             left = self.waiting_work + sum(r.job.gpus * max(r.expected_end - now, 0.0) for r in state.running)
             horizon = self.tail * left / state.capacity
@@ -189,7 +202,7 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
             for neg, _, jid, job in self.by_estimate:  # the critical jobs, longest (then widest) first
                 if -neg < horizon:
                     break
-                if job.priority >= top:
+                if job.priority >= top and jid not in first:  # (a claim or a starved run: yielded)
                     first.add(jid)
                     yield job
         rank = {t: -r for t in live if (r := self.rho(t, now)) > self.behind}
@@ -273,11 +286,13 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
         holders: set[str] = set()
         looked = 0
         drain = drain_times(now, state) if self.align else None
-        quick = self._turnover(now, state, drain, reserved)
+        no_room = NoRoom(state)  # shapes that found no place: a wider and longer run is not tried (same decisions)
         for job in self.order(now, state):
             if max(state.free) == 0:
                 break
-            if fits_somewhere(job, state):  # 2. and 4.
+            if no_room.hopeless(job):
+                pass
+            elif fits_somewhere(job, state):  # 2. and 4.
                 start = place(job, now, state, reserved, drain)
                 if start is not None:
                     state.take(start)
@@ -286,13 +301,16 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
                         for h in start.hosts:
                             drain[h] = max(drain[h], now + job.estimate)
                     continue
+                no_room.saw(job, fits=True)
+            else:
+                no_room.saw(job, fits=False)
             looked += 1
             if looked > self.depth:
                 break
-            if len(holders) < self.reservations and job.tenant not in holders and (
+            if job.id in self.starved_now or len(holders) < self.reservations and job.tenant not in holders and (
                     not holders or job.tenant in self.behind_now or job.id in self.is_late or job.id in self.owed_now):
                 at, spare = reservation(job, now, with_starts(state, starts, now),  # 3.
-                                        exclude=[h for h in reserved if h not in quick])
+                                        exclude=reserved)
                 if spare:
                     reserved.update({h: [at, s] for h, s in spare.items()})
                     holders.add(job.tenant)
@@ -302,18 +320,6 @@ class FinishTimeFair(EstimatePlanning, FairnessBooks, EasyBackfill):
         return starts
 
 
-    def _turnover(self, now: float, state: ClusterState, drain: list[float] | None, reserved: Reserved) -> set[int]:
-        """The light tenant's bound: while anyone submitted within `turnover_seconds`, the `turnover_hosts` hosts
-        that drain soonest take only runs that end within `turnover_seconds` (a reservation with no spare), so a
-        host always turns over within about that long and a small tenant's job never waits behind multi-hour
-        runs on every host. Off at the quiet end of the queue (the tail rule's time)."""
-        if not self.turnover_hosts or now - self.last_any >= self.turnover_seconds:
-            return set()
-        drain = drain or drain_times(now, state)
-        hosts = sorted((drain[h], h) for h in range(len(state.size)) if state.size[h] > 0)[: self.turnover_hosts]
-        for _, h in hosts:
-            reserved[h] = [now + self.turnover_seconds, 0]
-        return {h for _, h in hosts}
 
 
 def _delete(items: list, key: tuple, job: Job) -> None:

@@ -81,6 +81,47 @@ def fits_somewhere(job: Job, state: ClusterState) -> bool:
 Reserved = dict[int, list[float]]  # host -> [reserved from, GPUs spare there then]
 
 
+class NoRoom:
+    """The shapes (GPUs, estimate) of plain runs (any host, one host) that found no place in one scheduling pass.
+
+    Within a pass, starts only take GPUs and reservations only take room, so a run at least as wide and as long
+    as one that found no place finds none either: `place` need not look (a pass over hundreds of waiting runs
+    that backfill around a reservation is what a decision with a long queue costs). Decisions stay the same.
+
+    >>> s = ClusterState(free=[2, 0], size=[8, 8]); no = NoRoom(s)
+    >>> no.hopeless(Job(0, "a", 4, 0.0, 60.0)), no.saw(Job(0, "a", 4, 0.0, 60.0), fits=False)
+    (False, None)
+    >>> no.hopeless(Job(1, "a", 8, 0.0, 1.0)), no.hopeless(Job(2, "a", 2, 0.0, 1e6))
+    (True, False)
+    """
+
+    __slots__ = ("widest", "shapes", "limit")
+
+    def __init__(self, state: ClusterState) -> None:
+        self.widest = max(state.size, default=0)
+        self.shapes: list[tuple[int, float]] = []  # a Pareto front: no entry both narrower and shorter than another
+        self.limit: dict[int, float] = {}  # GPUs -> the shortest estimate that found no place at that width or less
+
+    def _plain(self, job: Job) -> bool:
+        return job.hosts is None and job.width <= 1 and job.gpus <= self.widest
+
+    def hopeless(self, job: Job) -> bool:
+        """Whether a run no wider and no longer than `job` already found no place this pass."""
+        if not self.shapes or job.hosts is not None or job.width > 1 or job.gpus > self.widest:
+            return False
+        limit = self.limit.get(job.gpus)
+        if limit is None:
+            limit = self.limit[job.gpus] = min((e for g, e in self.shapes if g <= job.gpus), default=math.inf)
+        return job.estimate >= limit
+
+    def saw(self, job: Job, fits: bool) -> None:
+        """`job` found no place (`fits`: it fit the free GPUs, but only where it would delay a reservation)."""
+        if self._plain(job):
+            shape = (job.gpus, job.estimate if fits else 0.0)  # no free room at all: any estimate fails
+            self.shapes = [s for s in self.shapes if not (shape[0] <= s[0] and shape[1] <= s[1])] + [shape]
+            self.limit.clear()
+
+
 def place(job: Job, now: float, state: ClusterState, reserved: Reserved,
           drain: list[float] | None = None) -> Start | None:
     """Where `job` starts now without delaying any reservation (it ends before it, or fits beside it):
