@@ -371,26 +371,35 @@ class ApprovalBook:
         """The one execution an approval allows: approved -> consumed, once; anything else is refused. With it, the
         admission it was asked for and whether it was suspended (its holds released while it waited)."""
         view = self.view(approval_id)
-        if view.status in ("rejected", "expired"):
-            why = (view.reason if view.status == "expired"
-                   else f"{view.decided_by} rejected the run" + (f": {view.reason}" if view.reason else ""))
-            raise AdmissionDenied("approval", why, "run the flow again to ask again, or an operator changes the "
-                                  "approval policy")
-        if view.status == "consumed":
-            raise AdmissionDenied("approval", f"approval {approval_id} already allowed one execution",
-                                  "run the flow again to ask again")
-        if view.status != "approved":
-            raise ApprovalError(f"approval {approval_id} is {view.status}", 409)
-        if not decided_in_the_log(self.ledger.records_about(view.task_run_id), approval_id, self.state.trusted):
-            raise AdmissionDenied("approval", f"approval {approval_id} is marked approved, but the log holds no approval "
-                                  "this control plane signed: its state was changed outside it",
-                                  "an operator investigates the database; ask for the approval again")
-        if not self._transition(approval_id, ("approved",), "consumed", "approval-consumed",
-                                {"task": view.task_name, "approved_by": view.approved_by}):
-            raise AdmissionDenied("approval", f"approval {approval_id} already allowed one execution",
-                                  "run the flow again to ask again")
+        why = _unusable(view)
+        if why is None and not decided_in_the_log(self.ledger.records_about(view.task_run_id), approval_id,
+                                                  self.state.trusted):
+            why = (f"approval {approval_id} is marked approved, but the log holds no approval this control plane "
+                   "signed: its state was changed outside it",
+                   "an operator investigates the database; ask for the approval again")
+        if why is None and not self._transition(approval_id, ("approved",), "consumed", "approval-consumed",
+                                                {"task": view.task_name, "approved_by": view.approved_by}):
+            why = (f"approval {approval_id} already allowed one execution", "run the flow again to ask again")
         row = self._row(approval_id)
+        if why is not None and not why[1]:
+            raise ApprovalError(why[0], 409)
+        if why is not None:
+            raise AdmissionDenied("approval", *why)
         return view, Admission.model_validate(row.admission), row.suspended
+
+
+def _unusable(view: ApprovalView) -> tuple[str, str] | None:
+    """Why a request allows no execution as it stands (the reason, and the fix: none while it is still open), or
+    None: it is approved."""
+    if view.status in ("rejected", "expired"):
+        why = (view.reason if view.status == "expired"
+               else f"{view.decided_by} rejected the run" + (f": {view.reason}" if view.reason else ""))
+        return why, "run the flow again to ask again, or an operator changes the approval policy"
+    if view.status == "consumed":
+        return f"approval {view.id} already allowed one execution", "run the flow again to ask again"
+    if view.status != "approved":
+        return f"approval {view.id} is {view.status}", ""
+    return None
 
 
 def _count_vote(w: Any, view: ApprovalView, adm: Admission, who: str, base: dict[str, Any],
