@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from aisched_prefect.control import stages
-from aisched_prefect.control.phases import Case, Phase, chained
+from aisched_prefect.control.phases import Case, Phase
 from aisched_prefect.control.state import Snapshot
 
 DECISION_SECONDS = 2.0  # how long a map's elements share one decision (feasibility reads inventories this fresh)
@@ -32,6 +32,7 @@ class _Kept:
     until: float
     decided_with: str  # the task run whose admission took this decision
     case: Case  # its findings of the shared phases
+    said: dict[str, Any]  # what its record says of them (computed once: the grants' versions are hashes)
 
 
 class Decisions:
@@ -63,9 +64,7 @@ class Decisions:
         assert d.estimate is not None
         return replace(case, workers=d.workers, types=d.types, estimate=d.estimate, facts=d.facts, chain=d.chain,
                        priority=d.priority, outcome=d.outcome, decided=case.decided | SHARED,
-                       payload={**case.payload, "estimate": d.estimate.model_dump(), **chained(d.chain, d.priority),
-                                "decided_with": kept.decided_with,
-                                "approval_rule": d.outcome.rule if d.outcome else None})
+                       payload={**case.payload, **kept.said, "decided_with": kept.decided_with})
 
     def keep(self, snap: Snapshot, case: Case) -> None:
         """Keep a new call's decision for the elements after it (never one that asks a person)."""
@@ -80,4 +79,6 @@ class Decisions:
         with self._lock:
             if len(self._kept) >= MAX_DECISIONS:
                 self._kept.clear()
-            self._kept[key] = _Kept(snap, until, case.meta.task_run_id, case)
+            said = {k: case.payload[k] for k in ("estimate", "grant", "chain", "grant_versions", "priority",
+                                                 "approval_rule")}
+            self._kept[key] = _Kept(snap, until, case.meta.task_run_id, case, said)
