@@ -1,7 +1,7 @@
 """Costs that must not grow with history: admission against 10x more grants, a flow run's end against 10x more evidence.
 
 Admission runs in-process on a fresh SQLite ledger (the control plane's own
-Admitter and authority state, a declared inventory, no HTTP or Dask), with an
+admission pipeline and authority state, a declared inventory, no HTTP or Dask), with an
 applied authority of N root grants and N grants delegated through the API's
 path, N/10 of them revoked. The flow run's end is what the control plane does
 when a runner closes: read that flow run's records, build its usage artifact
@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aisched_prefect.control import records
-from aisched_prefect.control.admission import Admitter
+from aisched_prefect.control.pipeline import Pipeline
 from aisched_prefect.control.identity import new_credential
 from aisched_prefect.control.state import AuthorityState, block_body, content_digest
 from aisched_prefect.ledger import Ledger
@@ -64,14 +64,14 @@ def admission_ms(grants: int, calls: int = 300) -> float:
                              authority="big", budget="big")
     records.record(ledger, records.CredentialIssued(credential=cred, by="bench"))
     state = AuthorityState(ledger)
-    admitter = Admitter(ledger, state, lambda fresh: _inventories())
+    pipeline = Pipeline(ledger, state, lambda fresh: _inventories())
     request = AIRequest.build(kind="inference", gpus=1, est_seconds=1)
     times = []
     for i in range(calls):
         meta = CallMeta(task_name="t", task_run_id=str(uuid.uuid4()), flow_run_id="f", run_key=f"f/{i}",
                         request=request.model_dump(mode="json"), code_digest="0" * 64, args_offset=1)
         t0 = time.perf_counter()
-        admitter.admit(cred, meta, request, "p", "a")
+        pipeline.admit(cred, meta, request, "p", "a")
         times.append(time.perf_counter() - t0)
     ledger.close()
     return 1000 * statistics.median(times[len(times) // 5:])  # after warm-up

@@ -1,10 +1,10 @@
-"""The approvals desk: a call that needs a person, from its request to the one execution its approval allows.
+"""The approvals desk: people's side of a call that needs a person.
 
-A call whose rule asks for approval files a request here (announced as a Prefect event, so automations
-can tell people); answers are counted here, a batch (one flow run's requests) whole or not at all, and
-a suspended deployment run is resumed once its answer is recorded. The approved call then continues
-here, after a fresh authority check, under the requester's credential only. The requests themselves,
-their links and signatures, are the ApprovalBook's (approvals.py).
+A request is shown as it stands (a flow waits on its own, an approver or operator marks that someone still
+waits for it); answers are counted here, a batch (one flow run's requests) whole or not at all, each
+decision announced as a Prefect event, and a suspended deployment run is resumed once its answer is
+recorded. The requests themselves, their links and signatures, are the ApprovalBook's (approvals.py); a
+call's request is filed, and the approved call re-enters admission, in the admission pipeline (pipeline.py).
 """
 
 from __future__ import annotations
@@ -14,87 +14,26 @@ import os
 import time
 
 from aisched_prefect.approvals import ApprovalDecision
-from aisched_prefect.control import stages
-from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
 from aisched_prefect.control.approval_proof import ApprovalError
 from aisched_prefect.control.approval_waiters import Waiters
-from aisched_prefect.control.approvals import ApprovalBook
+from aisched_prefect.control.approvals import ApprovalBook, announce
 from aisched_prefect.control.credentials import Unauthorized, owns
-from aisched_prefect.control.dispatch import Dispatcher
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.state import AuthorityState
-from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.settings import Settings
-from aisched_prefect.wire import ApprovalView, CallMeta, Reply
+from aisched_prefect.wire import ApprovalView
 
 logger = logging.getLogger("aisched_prefect.control")
 
 
 class ApprovalDesk:
-    """Asks people, counts their answers, and admits the call an approval allows."""
+    """Shows requests to people and counts their answers."""
 
     def __init__(self, ledger: Ledger, state: AuthorityState, settings: Settings, approvals: ApprovalBook,
-                 admitter: Admitter, dispatcher: Dispatcher, waiters: Waiters) -> None:
+                 waiters: Waiters) -> None:
         self.ledger, self.state, self.settings = ledger, state, settings
-        self.approvals, self.admitter, self.dispatcher, self.waiters = approvals, admitter, dispatcher, waiters
-
-    # -- a call that needs a person -------------------------------------------------------------
-    def ask(self, need: ApprovalNeeded) -> Reply:
-        """The request for a person a call's admission asked for (or the one already on file): its reply."""
-        adm = need.admission
-        if need.existing:  # the re-run of a suspended deployment run: its request holds its answer
-            return Reply(status="approval-pending", admission=need.approval_id,
-                         approval=self.approvals.view(need.approval_id))
-        rec = self.ledger.records_about(adm.task_run_id)
-        payload = next(r.payload for r in reversed(rec) if r.kind == "approval-requested" and str(r.seq) == adm.id)
-        currency = self.dispatcher._bound(adm).budget.model.currency
-        view = self.approvals.create(adm, payload, currency)
-        self._announce("aisched.approval.requested", view)
-        return Reply(status="approval-pending", admission=view.id, approval=view)
-
-    def admit_approved(self, cred: Credential, meta: CallMeta, payload_digest: str) -> Admission:
-        """The one execution an approval allows, after a fresh authority check; the caller must be the requester."""
-        assert meta.admission is not None
-        admission = self.approvals.admission(meta.admission)
-        if not owns(cred, admission):
-            raise Unauthorized("this approval belongs to another principal", 403)
-        if admission.payload_digest != payload_digest:
-            raise AdmissionDenied("approval", "the call's body or arguments differ from what was approved",
-                                  "run the flow again to ask for this call")
-        view, admission = self.approvals.consume(meta.admission)
-        admission = admission.model_copy(update={"task_run_id": meta.task_run_id})
-        snap = self.state.refresh()
-        try:
-            stages.authority(snap, stages.configuration(snap, cred), admission.facts, admission.chain[-1])
-        except AdmissionDenied as exc:  # approved, but its authority ended while it waited: denied, and recorded
-            self.dispatcher.settle(admission, None, {"outcome": "revoked-while-waiting", "approval": view.id})
-            raise self.admitter.deny(exc.stage, exc.reason, exc.fix, {
-                "task": admission.task_name, "flow": admission.flow_name, "tenant": admission.tenant,
-                "request": admission.request.model_dump(mode="json"), "chain": admission.chain,
-                "approval": view.id, "approved_by": view.approved_by}, admission.ids) from None
-        if self.approvals._row(meta.admission).suspended:  # its holds were released while it waited: hold again
-            admission = self.admitter.readmit(admission, "approved after suspension")
-        self.ledger.record("admission", {"task": admission.task_name, "flow": admission.flow_name,
-                                         "tenant": admission.tenant, "request": admission.request.model_dump(mode="json"),
-                                         "approval": ", ".join(view.approved_by), "approval_id": view.id,
-                                         "holds": [h.model_dump() for h in admission.holds], "chain": admission.chain,
-                                         "grant": admission.chain[-1]}, **admission.ids)
-        return admission
-
-    def _announce(self, event: str, view: ApprovalView) -> None:
-        """A Prefect event for every approval request, so automations can notify people (when Prefect is reachable)."""
-        if not os.environ.get("PREFECT_API_URL"):
-            return
-        try:
-            from prefect.events import emit_event
-
-            emit_event(event=event, resource={"prefect.resource.id": f"aisched.approval.{view.id}",
-                                              "prefect.resource.name": view.task_name, "aisched.principal": view.principal,
-                                              "aisched.rule": str(view.rule)},
-                       payload={"digest": view.digest, "est_cost": view.est_cost, "url": view.url})
-        except Exception:
-            logger.exception("could not emit %s", event)
+        self.approvals, self.waiters = approvals, waiters
 
     # -- people's side --------------------------------------------------------------------------
     def approval(self, caller: Credential, approval_id: str, wait: float = 0.0) -> ApprovalView:
@@ -130,7 +69,7 @@ class ApprovalDesk:
         views = [self.approvals.answer(i, decision, caller, batch) for i in ids]
         decided = [v for v in views if v.status in ("approved", "rejected")]
         for view in decided:
-            self._announce("aisched.approval.decided", view)
+            announce("aisched.approval.decided", view)
         if decided and len(decided) == len(views):  # one resume per flow run, once all are decided
             self._resume_if_suspended(decided[0], decision)
         return views[0]

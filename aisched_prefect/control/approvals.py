@@ -16,6 +16,7 @@ and the approval hook approval_links.py, the request's words approval_words.py.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from aisched_prefect.approvals import ApprovalDecision, batch_digest, request_digest
-from aisched_prefect.control.admission import Admission, mark_version_seen
+from aisched_prefect.control.admission import Admission
 from aisched_prefect.control.approval_links import ApprovalLinks, hook_of
 from aisched_prefect.control.approval_proof import (
     ApprovalError,
@@ -75,6 +76,20 @@ def create_table(engine: sa.Engine) -> None:
                 raise
 
 
+def announce(event: str, view: ApprovalView) -> None:
+    """A Prefect event for every approval request and answer, so automations can notify people (when Prefect is
+    reachable)."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return
+    try:
+        from prefect.events import emit_event
+
+        emit_event(event=event, resource={"prefect.resource.id": f"aisched.approval.{view.id}",
+                                          "prefect.resource.name": view.task_name, "aisched.principal": view.principal,
+                                          "aisched.rule": str(view.rule)},
+                   payload={"digest": view.digest, "est_cost": view.est_cost, "url": view.url})
+    except Exception:
+        logger.exception("could not emit %s", event)
 
 
 class ApprovalBook:
@@ -352,30 +367,39 @@ class ApprovalBook:
             raise ApprovalError(f"approval {approval_id} was decided meanwhile", 409)
         return self.view(approval_id)
 
-    def consume(self, approval_id: str) -> tuple[ApprovalView, Admission]:
-        """The one execution an approval allows: approved -> consumed, once; anything else is refused."""
+    def consume(self, approval_id: str) -> tuple[ApprovalView, Admission, bool]:
+        """The one execution an approval allows: approved -> consumed, once; anything else is refused. With it, the
+        admission it was asked for and whether it was suspended (its holds released while it waited)."""
         view = self.view(approval_id)
-        if view.status in ("rejected", "expired"):
-            why = (view.reason if view.status == "expired"
-                   else f"{view.decided_by} rejected the run" + (f": {view.reason}" if view.reason else ""))
-            raise AdmissionDenied("approval", why, "run the flow again to ask again, or an operator changes the "
-                                  "approval policy")
-        if view.status == "consumed":
-            raise AdmissionDenied("approval", f"approval {approval_id} already allowed one execution",
-                                  "run the flow again to ask again")
-        if view.status != "approved":
-            raise ApprovalError(f"approval {approval_id} is {view.status}", 409)
-        if not decided_in_the_log(self.ledger.records_about(view.task_run_id), approval_id, self.state.trusted):
-            raise AdmissionDenied("approval", f"approval {approval_id} is marked approved, but the log holds no approval "
-                                  "this control plane signed: its state was changed outside it",
-                                  "an operator investigates the database; ask for the approval again")
-        if not self._transition(approval_id, ("approved",), "consumed", "approval-consumed",
-                                {"task": view.task_name, "approved_by": view.approved_by}):
-            raise AdmissionDenied("approval", f"approval {approval_id} already allowed one execution",
-                                  "run the flow again to ask again")
-        admission = self.admission(approval_id)
-        mark_version_seen(self.ledger, admission)  # its code was asked about and approved: seen from now on
-        return view, admission
+        why = _unusable(view)
+        if why is None and not decided_in_the_log(self.ledger.records_about(view.task_run_id), approval_id,
+                                                  self.state.trusted):
+            why = (f"approval {approval_id} is marked approved, but the log holds no approval this control plane "
+                   "signed: its state was changed outside it",
+                   "an operator investigates the database; ask for the approval again")
+        if why is None and not self._transition(approval_id, ("approved",), "consumed", "approval-consumed",
+                                                {"task": view.task_name, "approved_by": view.approved_by}):
+            why = (f"approval {approval_id} already allowed one execution", "run the flow again to ask again")
+        row = self._row(approval_id)
+        if why is not None and not why[1]:
+            raise ApprovalError(why[0], 409)
+        if why is not None:
+            raise AdmissionDenied("approval", *why)
+        return view, Admission.model_validate(row.admission), row.suspended
+
+
+def _unusable(view: ApprovalView) -> tuple[str, str] | None:
+    """Why a request allows no execution as it stands (the reason, and the fix: none while it is still open), or
+    None: it is approved."""
+    if view.status in ("rejected", "expired"):
+        why = (view.reason if view.status == "expired"
+               else f"{view.decided_by} rejected the run" + (f": {view.reason}" if view.reason else ""))
+        return why, "run the flow again to ask again, or an operator changes the approval policy"
+    if view.status == "consumed":
+        return f"approval {view.id} already allowed one execution", "run the flow again to ask again"
+    if view.status != "approved":
+        return f"approval {view.id} is {view.status}", ""
+    return None
 
 
 def _count_vote(w: Any, view: ApprovalView, adm: Admission, who: str, base: dict[str, Any],

@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from aisched_prefect.control.credentials import Unauthorized
 from aisched_prefect.errors import AISchedError
 from aisched_prefect.ledger import Ledger
 
@@ -246,6 +247,17 @@ class CallBook:
             self._owners.clear()
         self._owners[key] = owner = self._first(task_runs, task_runs.c.task_run_id, task_run_id, principal)
         return owner
+
+    def check_caller(self, flow_run_id: str, task_run_id: str, caller: str) -> None:
+        """Refuse a call filed under a flow run or a task run another principal called under first: its evidence and
+        its replies are that principal's."""
+        owner = self.owner(flow_run_id, caller)
+        if owner != caller:
+            raise Unauthorized(f"flow run {flow_run_id} belongs to {owner!r}: a flow files its calls under its own flow "
+                               "run", 403)
+        if self.task_owner(task_run_id, caller) != caller:
+            raise Unauthorized(f"task run {task_run_id} belongs to another principal: a flow files its calls under its "
+                               "own task runs", 403)
 
     def _first(self, table: sa.Table, column: Any, value: str, principal: str) -> str:
         """The principal of `value` in `table`: `principal`, if this call is the first to file it (group-committed

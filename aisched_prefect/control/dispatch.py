@@ -22,7 +22,7 @@ from typing import Any
 
 from distributed import Client, Future, KilledWorker
 
-from aisched_prefect.control.admission import Admission, Admitter
+from aisched_prefect.control.admission import Admission, Readmitter
 from aisched_prefect.control.losses import Losses, _scheduler_gone
 from aisched_prefect.control.model_slots import ModelSlots
 from aisched_prefect.control.queueing import Queueing
@@ -80,7 +80,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots):
                 self._inventories_at = time.monotonic()
             return self._inventories
 
-    def execute(self, admission: Admission, body: Body, admitter: Admitter) -> tuple[Reply, bytes]:
+    def execute(self, admission: Admission, body: Body, admitter: Readmitter) -> tuple[Reply, bytes]:
         """Run an admitted call; a run the cluster's queue preempts is charged for what ran and queued again."""
         requeued = 0
         while True:

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from aisched_prefect.control.admission import Admission, Admitter
+from aisched_prefect.control.admission import Admission, Readmitter
 from aisched_prefect.control.running import BodyParts, Placement, Preempted, Running, _crashed
 from aisched_prefect.control.warm import warm_key
 from aisched_prefect.wire import Reply
@@ -23,7 +23,7 @@ logger = logging.getLogger("aisched_prefect.control")
 class Queueing:
     """The dispatcher's part that enters runs in the cluster's queue and follows them out (a mixin of Dispatcher)."""
 
-    def launch(self, admission: Admission, body: BodyParts, admitter: Admitter,
+    def launch(self, admission: Admission, body: BodyParts, admitter: Readmitter,
                done: Callable[[Reply, bytes], None], call_key: str = "") -> str:
         """Start an admitted run and return at once; `done(reply, out)` is called once, however it ends.
 
@@ -68,7 +68,7 @@ class Queueing:
     def _spawn(fn: Callable[..., None], *args: Any) -> None:
         threading.Thread(target=fn, args=args, name="aisched-run", daemon=True).start()
 
-    def _run_blocking(self, admission: Admission, body: BodyParts, admitter: Admitter,
+    def _run_blocking(self, admission: Admission, body: BodyParts, admitter: Readmitter,
                       done: Callable[[Reply, bytes], None]) -> None:
         try:
             reply, out = self.execute(admission, body.body(), admitter)
@@ -76,7 +76,7 @@ class Queueing:
             reply, out = _crashed(admission, exc), b""
         done(reply, out)
 
-    def _run_placed(self, state: Running, placement: Placement | None, body: BodyParts, admitter: Admitter,
+    def _run_placed(self, state: Running, placement: Placement | None, body: BodyParts, admitter: Readmitter,
                     done: Callable[[Reply, bytes], None]) -> None:
         """The queue started (or dropped) a run entered by `launch`: hand it to Dask and follow it to its end."""
         admission = state.admission

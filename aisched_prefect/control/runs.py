@@ -12,32 +12,31 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aisched_prefect.control import records
-from aisched_prefect.control.admission import Admission, Admitter, ApprovalNeeded
-from aisched_prefect.control.approval_desk import ApprovalDesk
+from aisched_prefect.control.admission import Admission
 from aisched_prefect.control.calls import CallBook, CallTakenOver, call_key, callers_key
 from aisched_prefect.control.credentials import Unauthorized, who
 from aisched_prefect.control.dispatch import Dispatcher
 from aisched_prefect.control.identity import Credential
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
+from aisched_prefect.control.pipeline import Pipeline
 from aisched_prefect.control.running import BodyParts, denied
 from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest, LedgerUnavailable
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.ledger.engine import described, retryable
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import Settings
-from aisched_prefect.wire import CallMeta, Reply
+from aisched_prefect.wire import ApprovalView, CallMeta, Reply
 from dask_gpu.tickets import digest
 
 logger = logging.getLogger("aisched_prefect.control")
 
 
 class _Early(Exception):
-    """A call that ends at admission (denied, or waiting for a person): its reply."""
+    """A call that ends at admission waiting for a person: its reply."""
 
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
@@ -101,10 +100,10 @@ def abandon_waiting(dispatcher: Dispatcher, keys: list[str]) -> None:
 class Runs:
     """Admits, starts and files the calls of flows; bounds what one credential keeps in flight."""
 
-    def __init__(self, settings: Settings, ledger: Ledger, dispatcher: Dispatcher, admitter: Admitter,
-                 calls: CallBook, outcomes: OutcomeBook, desk: ApprovalDesk, replica: str) -> None:
-        self.settings, self.ledger, self.dispatcher, self.admitter = settings, ledger, dispatcher, admitter
-        self.calls, self.outcomes, self.desk, self.replica = calls, outcomes, desk, replica
+    def __init__(self, settings: Settings, ledger: Ledger, dispatcher: Dispatcher, pipeline: Pipeline,
+                 calls: CallBook, outcomes: OutcomeBook, replica: str) -> None:
+        self.settings, self.ledger, self.dispatcher, self.pipeline = settings, ledger, dispatcher, pipeline
+        self.calls, self.outcomes, self.replica = calls, outcomes, replica
         self._flight_lock = threading.Lock()
         self._in_flight: dict[str, tuple[int, int]] = {}  # credential id -> (runs, body bytes) accepted, not ended
         self._mine: set[str] = set()  # keys this process claimed and has not filed done (admitting, running, filing)
@@ -158,7 +157,6 @@ class Runs:
         waiting runs of a `.map()` share one copy of their function)."""
         if cred.role != "flow":
             raise Unauthorized("only a flow's credential runs AI tasks", 403)
-        request = AIRequest.build(**meta.request)
         fn_bytes, args_bytes = body
         if not fn_bytes:
             raise InvalidAIRequest("the call carries no function: it is malformed")
@@ -167,11 +165,8 @@ class Runs:
         args_digest = digest(args_bytes)
         function_digest = digest(fn_bytes)  # the code identity, from the bytes received (never unpickled)
         _check_shipped(fn_bytes, meta.code_digest)
-        owner = self.calls.owner(meta.flow_run_id, who(cred))
-        if owner != who(cred):
-            raise Unauthorized(f"flow run {meta.flow_run_id} belongs to {owner!r}: a flow files its calls under its "
-                               "own flow run", 403)
-        self._own_task_run(cred, meta.task_run_id)
+        request = AIRequest.build(**meta.request)
+        self.calls.check_caller(meta.flow_run_id, meta.task_run_id, who(cred))
         key = call_key(who(cred), meta.task_run_id, meta.attempt, meta.admission)
         claim, row = self.calls.claim(key)
         filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
@@ -228,14 +223,19 @@ class Runs:
                     self.calls.admitted(key, adm.model_dump(mode="json"), conn)
                     filed.append(adm.id)
 
-                admission = self._admit(cred, meta, request, payload_digest, args_digest, file_with_holds,
-                                        function_digest)
-        except _Early as early:
+                # One pass of admission: a new call, or the one execution an approval allows.
+                got = self.pipeline.admit(cred, meta, request, payload_digest, args_digest, file_with_holds,
+                                          function_digest)
+                if isinstance(got, ApprovalView):
+                    raise _Early(Reply(status="approval-pending", admission=got.id, approval=got))
+                admission = got
+        except (_Early, AdmissionDenied) as ended:  # the call ends at admission: denied, or waiting for a person
+            reply = ended.reply if isinstance(ended, _Early) else denied(ended.stage, ended.reason, ended.fix)
             try:
-                self.calls.done(key, early.reply.model_dump(mode="json"))
+                self.calls.done(key, reply.model_dump(mode="json"))
             finally:  # not filed (the database went): a retry here continues the claim as an earlier life's
                 self._forget(key)
-            return early.reply.model_copy(update={"key": key}), b""
+            return reply.model_copy(update={"key": key}), b""
         except CallTakenOver as exc:  # nothing of this admission committed: the call is the other replica's
             raise Busy(f"{exc}: wait for it (the client retries)") from None
         except BaseException:
@@ -251,7 +251,7 @@ class Runs:
         with self._flight_lock:
             runs, held = self._in_flight.get(cred.id, (0, 0))
             self._in_flight[cred.id] = (runs + 1, held + size)
-        self.dispatcher.launch(admission, BodyParts(fn_bytes, args_bytes, tuple(meta.modules)), self.admitter,
+        self.dispatcher.launch(admission, BodyParts(fn_bytes, args_bytes, tuple(meta.modules)), self.pipeline,
                                lambda reply, out: self._finished(key, reply, out, cred.id, size), call_key=key)
         return Reply(status="accepted", key=key, admission=admission.id), b""
 
@@ -268,13 +268,6 @@ class Runs:
                                   f"{size} more would pass AISCHED_MAX_BYTES_IN_FLIGHT="
                                   f"{self.settings.max_bytes_in_flight}. Fix: send large inputs by reference "
                                   "(object storage paths), or ask the operator to raise the limit")
-
-    def _own_task_run(self, caller: Credential, task_run_id: str) -> None:
-        """A call under a task run id another principal called under is refused: its replies are that principal's."""
-        owner = self.calls.task_owner(task_run_id, who(caller))
-        if owner != who(caller):
-            raise Unauthorized(f"task run {task_run_id} belongs to another principal: a flow files its calls under "
-                               "its own task runs", 403)
 
     def _finished(self, key: str, reply: Reply, out: bytes, credential: str = "", size: int = 0) -> None:
         """A run ended (in its dispatch thread): its reply is filed once, then handed to whoever waits for it."""
@@ -310,20 +303,6 @@ class Runs:
     def _forget(self, key: str) -> None:
         with self._flight_lock:
             self._mine.discard(key)
-
-    def _admit(self, cred: Credential, meta: CallMeta, request: AIRequest, payload_digest: str,
-               args_digest: str, on_admitted: Callable[[Any, Admission], None], function_digest: str) -> Admission:
-        """A new admission (`on_admitted` files it with the call in the transaction that holds its budget), or the
-        one an approval allows; an outcome that ends the call here raises _Early."""
-        try:
-            if meta.admission is not None:
-                return self.desk.admit_approved(cred, meta, payload_digest)
-            return self.admitter.admit(cred, meta, request, payload_digest, args_digest, meta.approver, on_admitted,
-                                       function_digest)
-        except AdmissionDenied as exc:
-            raise _Early(denied(exc.stage, exc.reason, exc.fix)) from None
-        except ApprovalNeeded as need:
-            raise _Early(self.desk.ask(need)) from None
 
     def result_lost(self, cred: Credential, key: str, reason: str) -> dict[str, Any]:
         """A flow could not fetch its completed call's large result from the worker that kept it (every attempt failed:

@@ -2,15 +2,18 @@
 
 `ControlPlane` only wires it together. It builds, in one ExitStack, the shared pieces: the ledger
 (its database credentials), the signing key (tickets and checkpoints), the folded authority state,
-the Dask client (and the local cluster when it starts one), the dispatcher, the admitter, the
-approval, call and outcome books, and the watcher with its chores. The acts are its parts', each a
+the Dask client (and the local cluster when it starts one), the dispatcher, the admission pipeline,
+the approval, call and outcome books, and the watcher with its chores. The acts are its parts', each a
 module of its own, every act taking the caller's proven credential:
 
 - `credentials` (credentials.py): proving callers; issuing and revoking credentials.
 - `configuration` (configuration.py): applying blocks, and blocks edited in Prefect past them.
 - `grants` (grants.py): delegating and revoking grants.
-- `runs` (runs.py): a flow's AI task calls, admitted, started, and their replies filed.
-- `desk` (approval_desk.py): calls that need a person, answers, and the execution an approval allows.
+- `runs` (runs.py): a flow's AI task calls, claimed, admitted (one pass of `pipeline`), started, their
+  replies filed.
+- `pipeline` (pipeline.py): admission, its phases in order over one snapshot (phases.py); approved calls
+  and preempted runs re-enter it.
+- `desk` (approval_desk.py): people's side of approvals: requests shown, answers counted.
 - `reports` (reports.py): signed checkpoints, usage artifacts, a flow run's records.
 - `scheduler` (scheduler_link.py): the Dask scheduler set up, watched, and shown.
 
@@ -26,7 +29,6 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from aisched_prefect.control.admission import Admitter
 from aisched_prefect.control.approval_desk import ApprovalDesk
 from aisched_prefect.control.approval_waiters import Waiters
 from aisched_prefect.control.approvals import ApprovalBook
@@ -37,6 +39,7 @@ from aisched_prefect.control.dispatch import Dispatcher
 from aisched_prefect.control.grants import Grants
 from aisched_prefect.control.keys import derived_secret, load_or_make_key, write_private  # noqa: F401 - where callers look
 from aisched_prefect.control.outcomes import OutcomeBook
+from aisched_prefect.control.pipeline import Pipeline
 from aisched_prefect.control.reports import Reports
 from aisched_prefect.control.runs import Runs, abandon_waiting
 from aisched_prefect.control.scheduler_link import SchedulerLink, connect, install
@@ -78,7 +81,6 @@ class ControlPlane:
             install(self.client, self.state, queue=queue)
             self.dispatcher = Dispatcher(self.client, self.signer, self.ledger, self.state, settings, queue=queue)
             self._stack.callback(self.dispatcher.warm.close)  # before the client closes: bodies end, idle time settled
-            self.admitter = Admitter(self.ledger, self.state, self.dispatcher.inventories, self.replica)
             self.approvals = ApprovalBook(self.ledger, self.state, base_url)
             self.waiters = Waiters(self.approvals, settings.session_lease_seconds)
             # A completed call's result token is kept sealed under a key only the plane's key file gives.
@@ -92,13 +94,13 @@ class ControlPlane:
             self.credentials = Credentials(self.ledger, self.state, settings)
             self.configuration = Configuration(self.ledger, self.state, self.scheduler.set_queue_weights)
             self.grants = Grants(self.ledger, self.state)
-            self.desk = ApprovalDesk(self.ledger, self.state, settings, self.approvals, self.admitter, self.dispatcher,
-                                     self.waiters)
-            self.runs = Runs(settings, self.ledger, self.dispatcher, self.admitter, self.calls, self.outcomes,
-                             self.desk, self.replica)
+            self.desk = ApprovalDesk(self.ledger, self.state, settings, self.approvals, self.waiters)
+            self.pipeline = Pipeline(self.ledger, self.state, self.dispatcher.inventories, self.replica,
+                                     approvals=self.approvals, before_asking=self.credentials.check_open_approvals,
+                                     settle=self.dispatcher.settle)
+            self.runs = Runs(settings, self.ledger, self.dispatcher, self.pipeline, self.calls, self.outcomes,
+                             self.replica)
             self.reports = Reports(self.ledger, self.key, self.public_key, self.calls, checkpoint_dir)
-            self.admitter.existing_approval = self.approvals.find
-            self.admitter.before_asking = self.credentials.check_open_approvals
             self.watcher = Watcher(self.dispatcher, self.state, settings, heartbeat=self.calls.heartbeat,
                                    periodic=self._chores())
             self.watcher.start()

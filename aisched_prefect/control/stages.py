@@ -3,7 +3,8 @@
 The order is the life of one run (docs/concepts.md): configuration, feasibility,
 pricing, authority, approval policy, then the budget lines a hold must fit.
 Each stage returns what the next needs or raises `AdmissionDenied(stage, reason,
-fix)`; `Admitter` (admission.py) runs them, records the outcome and reserves.
+fix)`; the admission phases (phases.py) call them, in the order pipeline.py runs
+them; the watcher, settlement and delegation reuse them.
 """
 
 from __future__ import annotations
