@@ -31,6 +31,8 @@ from aisched_prefect.ledger import BudgetExceeded, BudgetLine, holds, metadata, 
 from aisched_prefect.ledger.budget import reserve_op
 from aisched_prefect.ledger.limits import checked_lines
 
+pytestmark = pytest.mark.slow  # the books against a model, thousands of steps on each database: a minute or more
+
 F = 10**9  # femto-units per micro-unit
 P = "2026-11"
 TEAM, FLOWS = "team", ("team/flow-0", "team/flow-1")

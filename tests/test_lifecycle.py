@@ -94,6 +94,7 @@ FLOW_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # a flow process killed with runs waiting: about a minute
 def test_a_flow_process_killed_with_runs_waiting_leaves_the_queue_and_each_run_is_charged_once(control_plane,
                                                                                                  tmp_path):
     """kill -9 of the flow process while one run holds the A10 and the others wait: once its session lapses the

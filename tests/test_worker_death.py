@@ -23,7 +23,7 @@ from aisched_prefect import ai_task
 from tests.clusterprocs import ClusterProcs, kill_worker_process
 from tests.helpers import tenant
 
-pytestmark = pytest.mark.usefixtures("prefect_api")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]  # workers killed: minutes in all
 
 H100 = "2 GPUs, 80 GB, H100"
 

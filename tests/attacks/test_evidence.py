@@ -28,7 +28,7 @@ from tests.attacks.support import (
     FlowThread, PRINCIPAL, authority, budget, infer, outcome, root, run_flow, runner_for, tenant, wait_for,
 )
 
-pytestmark = pytest.mark.usefixtures("prefect_api")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]  # a control plane started per test
 
 
 @pytest.fixture
