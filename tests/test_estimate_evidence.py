@@ -4,6 +4,7 @@ prints it: the declared estimate x the tenant's overrun factor (learned from its
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 from prefect import flow
@@ -11,7 +12,7 @@ from prefect.context import FlowRunContext
 
 from aisched_prefect import ai_task
 from aisched_prefect.report import explain
-from tests.helpers import tenant
+from tests.helpers import authority, tenant
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -22,7 +23,10 @@ def test_explain_shows_the_factor_the_queue_planned_a_run_on(control_plane):
         time.sleep(2.5)  # 2.5x what it declared (topped up, not stopped)
         return i
 
-    t = tenant(control_plane)
+    # a tenant of its own: the queue learns each tenant's overruns, and the shared plane's other tests run as the
+    # helpers' default tenant (their runs overran by 2 % on a loaded host, which this test's first run then saw)
+    principal = f"est-{uuid.uuid4().hex[:8]}/nightly"
+    t = tenant(control_plane, authority_=authority(principal=principal), principal=principal)
 
     @flow(task_runner=t.runner())
     def twice():
