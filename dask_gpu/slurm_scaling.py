@@ -7,8 +7,10 @@ to give back:
 
 - every waiting run is counted once, for the first group (in the operator's order) that can hold it: its tenant (a
   group without one holds every tenant's runs), its GPU type (a run that names none fits any), and its size. Runs are
-  counted as the queue's policy counts them: a fraction of a GPU that waits, waits as a one-GPU run; a gang over
-  `width` hosts needs `width` whole jobs; runs are packed onto jobs of the group's size first-fit decreasing;
+  counted as the queue counts them: waiting fractions of a GPU share devices (four quarter-GPU shards need one GPU,
+  packed first-fit decreasing by share); a gang over `width` hosts needs `width` whole jobs (jobs held together: the
+  queue starts the gang once all its workers joined); the rest, and the devices the fractions fill, are packed onto
+  jobs of the group's size first-fit decreasing;
 - a group submits the jobs its backlog needs beyond those already pending in Slurm and its idle workers, within its
   `max_jobs` and the operator's `max_jobs` over all groups; it keeps `min_jobs` always;
 - a group with no backlog gives back its jobs beyond `min_jobs`: pending ones at once, workers once idle (nothing
@@ -136,15 +138,32 @@ def holds(group: WorkerGroup, run: Waiting) -> bool:
 
 def _per_host(run: Waiting) -> int:
     if run.gpus < 1:
-        return 1  # a fraction that waits opens a device: a one-GPU run for the policy
+        return 1  # a fraction opens (at most) one device
     return math.ceil(run.gpus / run.width) if run.width > 1 else math.ceil(run.gpus)
 
 
+def devices_for_fractions(shares: list[float]) -> int:
+    """Devices that hold these fractions at once, as the queue shares a device (first-fit decreasing by share)."""
+    free: list[float] = []
+    for share in sorted(shares, reverse=True):
+        for i, room in enumerate(free):
+            if room + 1e-9 >= share:
+                free[i] = room - share
+                break
+        else:
+            free.append(1.0 - share)
+    return len(free)
+
+
 def jobs_needed(group: WorkerGroup, runs: list[Waiting]) -> int:
-    """Jobs of `group` that hold `runs` at once: gangs take whole jobs, the rest packed first-fit decreasing."""
+    """Jobs of `group` that hold `runs` at once: gangs take whole jobs, fractions share devices, the rest and those
+    devices packed onto jobs first-fit decreasing."""
     jobs = sum(r.width for r in runs if r.width > 1)
+    singles = [r for r in runs if r.width <= 1]
+    needs = [_per_host(r) for r in singles if r.gpus >= 1]
+    needs += [1] * devices_for_fractions([r.gpus for r in singles if r.gpus < 1])
     bins: list[int] = []
-    for need in sorted((_per_host(r) for r in runs if r.width <= 1), reverse=True):
+    for need in sorted(needs, reverse=True):
         for i, free in enumerate(bins):
             if free >= need:
                 bins[i] -= need
@@ -186,4 +205,5 @@ def plan(policy: ScalingPolicy, waiting: list[Waiting], jobs: list[WorkerJob]) -
     return out
 
 
-__all__ = ["Plan", "ScalingPolicy", "Waiting", "WorkerGroup", "WorkerJob", "holds", "jobs_needed", "plan"]
+__all__ = ["Plan", "ScalingPolicy", "Waiting", "WorkerGroup", "WorkerJob", "devices_for_fractions", "holds", "jobs_needed",
+           "plan"]

@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from dask_gpu.slurm_scaler import SlurmScalerError, load_settings
-from dask_gpu.slurm_scaling import ScalingPolicy, Waiting, WorkerGroup, WorkerJob, jobs_needed, plan
+from dask_gpu.slurm_scaling import (ScalingPolicy, Waiting, WorkerGroup, WorkerJob, devices_for_fractions, jobs_needed,
+                                   plan)
 
 H100_A = WorkerGroup(name="h100-a", gpu_type="h100", gpus=2, tenant="team-a", max_jobs=3)
 H100_ANY = WorkerGroup(name="h100-any", gpu_type="H100", gpus=1, max_jobs=2)
@@ -24,9 +25,20 @@ def run(tenant: str = "team-a", gpus: float = 1, width: int = 0, types: tuple[st
 def test_runs_are_packed_as_the_queue_counts_them():
     g = H100_A  # two GPUs a job
     assert jobs_needed(g, [run(gpus=1), run(gpus=1), run(gpus=2)]) == 2
-    assert jobs_needed(g, [run(gpus=0.25), run(gpus=0.5)]) == 1  # each waiting fraction opens a device
+    assert jobs_needed(g, [run(gpus=0.25), run(gpus=0.5)]) == 1  # fractions share a device, as the queue shares it
     assert jobs_needed(g, [run(gpus=4, width=2)]) == 2  # a gang over two hosts: two whole jobs
     assert jobs_needed(g, [run(gpus=1)] * 3) == 2
+
+
+def test_four_quarter_gpu_shards_need_one_gpu_and_so_one_job():
+    one_gpu = WorkerGroup(name="h100-1", gpu_type="H100", gpus=1, max_jobs=4)
+    shards = [run(gpus=0.25)] * 4
+    assert jobs_needed(one_gpu, shards) == 1
+    assert plan(policy(one_gpu), shards, []).submit == {"h100-1": 1}
+    assert jobs_needed(one_gpu, shards + [run(gpus=0.25)]) == 2  # a fifth quarter opens a second device
+    assert jobs_needed(one_gpu, [run(gpus=0.75), run(gpus=0.5), run(gpus=0.25)]) == 2  # first fit decreasing
+    assert jobs_needed(H100_A, [run(gpus=0.75), run(gpus=0.5), run(gpus=1)]) == 2  # two devices + one GPU, 2 a job
+    assert devices_for_fractions([0.5] * 6) == 3
 
 
 def test_waiting_runs_submit_jobs_per_type_and_tenant_within_the_bounds():
