@@ -19,6 +19,7 @@ scontrol) on this host.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -47,14 +48,46 @@ async def _serve(path: str) -> None:
     print(f"{PROG}: stopped", file=sys.stderr, flush=True)
 
 
+def _fields(model: type, indent: str = "  ") -> str:
+    """The fields of a configuration model with their defaults: the --help listing, kept from the code."""
+    out = []
+    for name, field in model.model_fields.items():
+        default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+        out.append(f"{indent}{name} ({default})")
+    return "\n".join(out)
+
+
+def parser() -> argparse.ArgumentParser:
+    from dask_gpu.slurm_scaler import ScalerSettings
+    from dask_gpu.slurm_scaling import ScalingPolicy, WorkerGroup
+
+    epilog = (f"CONFIG fields:\n{_fields(ScalerSettings)}\npolicy:\n{_fields(ScalingPolicy)}\n"
+              f"policy.groups[]:\n{_fields(WorkerGroup)}\n\nEvery field: docs/how-to/slurm-kubernetes.md")
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", metavar="CONFIG", help="the scaler's YAML configuration (its fields are listed below)")
+    p.add_argument("--check", action="store_true",
+                   help="read and check CONFIG, print its groups and what admission counts, submit nothing")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="how much it logs (default WARNING: each job submitted, given back or ended)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or len(args) != 1:
-        print(__doc__)
-        sys.exit(0 if args and args[0] in ("-h", "--help") else 2)
-    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s", stream=sys.stderr)
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level, format=f"{PROG}: %(message)s", stream=sys.stderr)
     try:
-        asyncio.run(_serve(args[0]))
+        if args.check:
+            from dask_gpu.slurm_scaler import load_settings
+
+            settings = load_settings(args.config)
+            for g in settings.policy.groups:
+                print(f"{g.name}: --gres={g.gres_request}, {g.tenant or 'every tenant'}, {g.min_jobs}-{g.max_jobs} "
+                      f"jobs, partition {g.partition or '(default)'}")
+            print(f"at most {settings.policy.max_jobs} jobs; a run admitted for a group at 0 jobs waits at most "
+                  f"{settings.policy.start_seconds:g} s for its worker")
+            return
+        asyncio.run(_serve(args.config))
     except DaskGPUError as exc:
         sys.exit(f"{PROG}: {exc}")
 

@@ -71,15 +71,27 @@ def job_end(job: str, settle_seconds: float = SETTLE_SECONDS) -> JobEnd:
     return JobEnd(job=str(job))
 
 
-def live_jobs(jobs: list[str]) -> dict[str, str] | None:
-    """Each of `jobs` still queued or running, with its state; None where squeue could not be asked."""
+def queue_states(jobs: list[str]) -> dict[str, tuple[str, str]] | None:
+    """Each of `jobs` still queued or running: its state and Slurm's reason (why a pending job waits: Resources,
+    Priority, PartitionDown, ...); None where squeue could not be asked."""
     if not jobs:
         return {}
-    out = _run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i %T"])  # this user's jobs: an id Slurm forgot is no error
+    out = _run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%r"])  # this user's: a forgotten id is no error
     if out is None:
         return None
-    found = dict(line.split(None, 1) for line in out.splitlines() if line.strip())
-    return {j: s.strip() for j, s in found.items() if j in jobs and s.strip() in LIVE}
+    found: dict[str, tuple[str, str]] = {}
+    for line in out.splitlines():
+        job, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        if job in jobs and state.strip() in LIVE:
+            found[job] = (state.strip(), reason.strip())
+    return found
+
+
+def live_jobs(jobs: list[str]) -> dict[str, str] | None:
+    """Each of `jobs` still queued or running, with its state; None where squeue could not be asked."""
+    states = queue_states(jobs)
+    return None if states is None else {j: s for j, (s, _) in states.items()}
 
 
 def slurm_end(job: str | None) -> JobEnd | None:
@@ -87,4 +99,4 @@ def slurm_end(job: str | None) -> JobEnd | None:
     return job_end(job) if job else None
 
 
-__all__ = ["JobEnd", "job_end", "live_jobs", "slurm_end"]
+__all__ = ["JobEnd", "job_end", "live_jobs", "queue_states", "slurm_end"]

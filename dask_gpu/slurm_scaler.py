@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dask_gpu.errors import DaskGPUError
 from dask_gpu.queue_backlog import backlog_on_scheduler
-from dask_gpu.slurm_jobs import job_end, live_jobs
+from dask_gpu.slurm_capacity import Capacity, GroupCapacity, PendingJob, publish_on_scheduler
+from dask_gpu.slurm_jobs import job_end, queue_states
 from dask_gpu.slurm_scaling import Plan, ScalingPolicy, Waiting, WorkerGroup, WorkerJob, plan
 
 logger = logging.getLogger("dask_gpu.slurm")
@@ -119,12 +120,14 @@ class SlurmScaler:
             self.client = None
 
     async def step(self) -> Plan:
-        """Read the queue, decide, act: one turn of the loop."""
+        """Read the queue, decide, act, then tell admission what can be started: one turn of the loop. Every Slurm
+        command runs off the event loop (dask-jobqueue's own are subprocesses it awaits; squeue and scontrol here
+        run in a thread)."""
         snap = await self.client.run_on_scheduler(backlog_on_scheduler)
         if not snap["queue"]:
             logger.warning("the scheduler has no cluster queue (dask-gpu-queue): nothing tells what waits. Fix: start "
                            "it with dask-gpu-scheduler, and the control plane with the queue on")
-        self._forget_ended(snap["workers"])
+        states = await self._forget_ended(snap["workers"])
         now = time.monotonic()
         views = []
         for name, (group, job) in self.jobs.items():
@@ -148,7 +151,31 @@ class SlurmScaler:
         for name in decision.cancel:
             await self._give_back(name, f"idle for {self.settings.policy.idle_seconds:g}s or more, nothing waits "
                                         "for its group", address=snap["workers"].get(name, {}).get("address"))
+        await self.publish(snap["workers"], None if any(decision.submit.values()) else states)  # new jobs: ask again
         return decision
+
+    def capacity(self, workers: dict[str, Any], states: dict[str, tuple[str, str]] | None) -> Capacity:
+        """What admission may count on: the groups, the bounds, and Slurm's word for each job not joined yet."""
+        p = self.settings.policy
+        jobs = []
+        for name, (group, job) in self.jobs.items():
+            if name in workers or not job.job_id:
+                continue
+            state, reason = (states or {}).get(job.job_id, ("PENDING", ""))
+            jobs.append(PendingJob(job_id=job.job_id, group=group.name, state=state, reason=reason))
+        return Capacity(groups=tuple(GroupCapacity(name=g.name, gpu_type=g.gpu_type, gpus=g.gpus, tenant=g.tenant,
+                                                   max_jobs=g.max_jobs, gpu_memory_gb=g.gpu_memory_gb)
+                                     for g in p.groups),
+                        max_jobs=p.max_jobs, start_seconds=p.start_seconds, jobs=tuple(jobs), at=time.time(),
+                        fresh_seconds=max(30.0, 5 * self.settings.interval_seconds))
+
+    async def publish(self, workers: dict[str, Any], states: dict[str, tuple[str, str]] | None = None) -> None:
+        """Publish the capacity on the scheduler (only a client-certificate holder may: the operator's scaler)."""
+        if states is None:
+            ids = [job.job_id for _, job in self.jobs.values() if job.job_id]
+            states = await asyncio.to_thread(queue_states, ids)
+        await self.client.run_on_scheduler(publish_on_scheduler,
+                                           capacity=self.capacity(workers, states).model_dump(mode="json"))
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -197,21 +224,23 @@ class SlurmScaler:
         await job.close()
         logger.warning("gave back Slurm job %s (%s, group %s): %s", job.job_id, name, group.name, why)
 
-    def _forget_ended(self, workers: dict[str, Any]) -> None:
-        """Forget jobs that ended outside the scaler (scancel, time limit, node gone): Slurm no longer lists them."""
+    async def _forget_ended(self, workers: dict[str, Any]) -> dict[str, tuple[str, str]] | None:
+        """Forget jobs that ended outside the scaler (scancel, time limit, node gone): Slurm no longer lists them.
+        Returns what squeue said of the live ones (state, reason), None where it could not be asked."""
         ids = {job.job_id: name for name, (_, job) in self.jobs.items() if job.job_id}
-        live = live_jobs(list(ids))
+        live = await asyncio.to_thread(queue_states, list(ids))
         if live is None:  # squeue could not be asked: keep every job rather than submit twice
-            return
+            return None
         for job_id, name in ids.items():
             if job_id in live or name in workers:
                 continue
             group, _ = self.jobs.pop(name)
             self._idle_since.pop(name, None)
             self.joined.discard(name)
-            end = job_end(job_id)
+            end = await asyncio.to_thread(job_end, job_id)
             self.ended.append({"name": name, "group": group.name, **end.model_dump()})
             logger.warning("worker job %s (%s) ended outside the scaler: %s", job_id, name, end.describe())
+        return live
 
 
 __all__ = ["ScalerSettings", "SlurmScaler", "SlurmScalerError", "load_settings"]

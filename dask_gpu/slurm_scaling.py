@@ -47,6 +47,7 @@ class WorkerGroup(BaseModel):
     walltime: str | None = None  # Slurm's --time, e.g. "04:00:00"
     gres: str | None = None  # default: gpu:TYPE:GPUS (lower-case type, as gres.conf names it)
     declared: str | None = None  # the node's GPUs for workers without NVML (dask-gpu-worker --declared)
+    gpu_memory_gb: float | None = Field(default=None, gt=0)  # each GPU's memory, for admission (None: not checked then)
     job_extra_directives: tuple[str, ...] = ()  # more #SBATCH lines (--account=..., --qos=...)
     worker_args: tuple[str, ...] = ()  # more dask-gpu-worker arguments
 
@@ -81,6 +82,9 @@ class ScalingPolicy(BaseModel):
     groups: tuple[WorkerGroup, ...] = Field(min_length=1)
     max_jobs: int = Field(default=4, ge=1)  # worker jobs over all groups, pending or running
     idle_seconds: float = Field(default=60.0, ge=0)  # a worker idle this long is given back (beyond min_jobs)
+    # A run admitted for a group at 0 jobs fails (Slurm's pending reason, nothing charged) if no worker of the group
+    # joined within this: the job's start time is what scale from zero costs, and this bounds it.
+    start_seconds: float = Field(default=600.0, gt=0)
 
     @model_validator(mode="after")
     def _unique(self) -> ScalingPolicy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from dask_gpu.slurm_jobs import JobEnd, job_end, live_jobs, slurm_end
+from dask_gpu.slurm_jobs import JobEnd, job_end, live_jobs, queue_states, slurm_end
 
 
 def fake(bin_dir, name: str, script: str) -> None:
@@ -30,9 +30,10 @@ def test_a_job_still_completing_is_asked_again_until_it_says_why(tmp_path, monke
 def test_a_job_slurm_cannot_tell_about_is_unknown_and_squeue_lists_live_jobs(tmp_path, monkeypatch):
     fake(tmp_path, "scontrol", "exit 1\n")
     fake(tmp_path, "sacct", "exit 1\n")
-    fake(tmp_path, "squeue", 'printf "3 RUNNING\\n4 PENDING\\n5 COMPLETED\\n9 RUNNING\\n"\n')
+    fake(tmp_path, "squeue", 'printf "3|RUNNING|None\\n4|PENDING|PartitionDown\\n5|COMPLETED|None\\n9|RUNNING|None\\n"\n')
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}/usr/bin:/bin")
     assert job_end("3", settle_seconds=0).state == "unknown"
     assert live_jobs(["3", "4", "5", "6"]) == {"3": "RUNNING", "4": "PENDING"}  # not 9: not ours
+    assert queue_states(["4"]) == {"4": ("PENDING", "PartitionDown")}  # why a pending job waits, in Slurm's words
     fake(tmp_path, "squeue", "exit 1\n")
     assert live_jobs(["3"]) is None  # squeue could not be asked: nothing is taken as ended

@@ -117,3 +117,21 @@ def test_the_entry_point_says_what_it_needs(tmp_path):
     bad = subprocess.run([exe, str(tmp_path / "none.yaml")], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert bad.returncode == 1 and "dask-gpu-slurm: cannot read the scaler configuration" in bad.stderr
     assert "Fix:" in bad.stderr and not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_dask_gpu_slurm_help_lists_its_options_and_config_fields_and_check_submits_nothing(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "dask-gpu-slurm")
+    done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for option in ("--check", "--log-level", "CONFIG", "start_seconds", "gpu_memory_gb", "interval_seconds"):
+        assert option in done.stdout, done.stdout
+    config = tmp_path / "slurm-workers.yaml"
+    config.write_text("scheduler: tls://127.0.0.1:1\ntls_dir: /nonexistent\ntrust_keys: [abc]\npolicy:\n"
+                      "  start_seconds: 120\n  groups: [{name: a100-1, gpu_type: a100, tenant: team-c}]\n")
+    done = subprocess.run([exe, config, "--check"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "a100-1: --gres=gpu:a100:1, team-c, 0-1 jobs" in done.stdout and "at most 120 s" in done.stdout
