@@ -1,8 +1,15 @@
 """A real one-node Slurm on 127.0.0.1, for tests: munged, slurmctld and slurmd of Debian's `slurm-wlm` and `munge`.
 
-Everything lives under one folder of the test's own: the munge key, socket, pid and log; slurm.conf and gres.conf;
-slurmctld's state, slurmd's spool, their pid and log files; and the GPU stand-ins (`dev/nvidia0`, `dev/nvidia1`,
-character devices made with mknod, as Slurm's `gres.conf File=` wants device nodes). The daemons listen on free
+Everything lives under one folder of the test's own: the munge key, pid and log; slurm.conf and gres.conf;
+slurmctld's state, their pid and log files; and the GPU stand-ins (`dev/nvidia0`, `dev/nvidia1`, character devices
+made with mknod, as Slurm's `gres.conf File=` wants device nodes). The Unix sockets (munged's, and slurmd's spool,
+where each job step's `slurmstepd` makes `NODE_JOB.STEP`) live in a short folder of their own under /tmp
+(`aisched-slurm-XXXXXXXX`, removed by `close()`): a socket's path is at most 107 bytes, and a test's tmp_path under
+pytest-xdist (`/tmp/pytest-of-root/pytest-N/popen-gwN/test_..._0/slurm/spool/slurmd-NODE/NODE_1.4294967291`) is
+longer, so every batch job's step failed to start (`_create_socket: Unix socket path ... is too long (109 > 108)`,
+the job held as `launch_failed_requeued_held`). That, not munge, is why these tests failed beside other tests: only
+under xdist, in any test process; munged's "Unauthorized credential for client UID=0 GID=0" is Slurm 22.05's own
+self-check at each launch, logged whether the launch works or not. The daemons listen on free
 ports of 127.0.0.1 (never Slurm's defaults, 6817/6818), read no file under /etc/slurm or /etc/munge, and run in the
 foreground as children of the test: `close()` cancels every job, then ends each daemon by its pid after checking its
 /proc/PID/cmdline names this cluster's files (and any job step, `slurmstepd`, whose environment names this
@@ -27,9 +34,11 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
+SOCKET_PATH_MAX = 107  # sizeof(sun_path) - 1 on Linux
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
@@ -79,14 +88,22 @@ class SlurmCluster:
         self.gpus, self.gpu_type, self.cpus, self.memory_mb = gpus, gpu_type, cpus, memory_mb
         self.node = socket.gethostname().split(".")[0]
         self.conf = self.root / "etc" / "slurm.conf"
+        self.sockets: Path | None = None  # the short folder of the Unix sockets (made by start, removed by close)
         self.munge_socket = self.root / "munge" / "munge.socket"
         self.procs: dict[str, subprocess.Popen] = {}
 
     # --- configuration -------------------------------------------------------------------------------------
 
     def _write(self) -> None:
-        for d in ("etc", "munge", "state", "spool", "log", "run", "dev"):
+        for d in ("etc", "munge", "state", "log", "run", "dev"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
+        self.sockets = Path(tempfile.mkdtemp(prefix="aisched-slurm-", dir="/tmp"))  # 0700, root's
+        self.munge_socket = self.sockets / "munge.socket"
+        self.spool = self.sockets / "spool"
+        longest = self.spool / f"slurmd-{self.node}" / f"{self.node}_4294967294.4294967294"  # a step's socket
+        if len(str(longest)) > SOCKET_PATH_MAX:
+            raise SlurmUnavailable(f"a job step's socket would be {longest} ({len(str(longest))} bytes, at most "
+                                   f"{SOCKET_PATH_MAX}): this host's name is too long for the test Slurm")
         os.chmod(self.root / "munge", 0o700)
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -108,7 +125,7 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool/slurmd-%n
+SlurmdSpoolDir={self.spool}/slurmd-%n
 SlurmctldPidFile={r}/run/slurmctld.pid
 SlurmdPidFile={r}/run/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
@@ -256,6 +273,9 @@ PartitionName=gpu Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             except ProcessLookupError:
                 pass
         self.procs.clear()
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)
+            self.sockets = None
 
     def _ours(self, pid: int, name: str) -> bool:
         """Whether `pid` is still this cluster's `name` (its command line names this cluster's files)."""
