@@ -23,6 +23,7 @@ from typing import Any
 from distributed import Client, Future, KilledWorker
 
 from aisched_prefect.control.admission import Admission, Readmitter
+from aisched_prefect.control.capacity import CapacityWaits
 from aisched_prefect.control.losses import Losses, _scheduler_gone
 from aisched_prefect.control.model_slots import ModelSlots
 from aisched_prefect.control.queueing import Queueing
@@ -45,7 +46,7 @@ from dask_gpu.tickets import DIED_TOPIC, Ticket, TicketRejected, TicketSigner
 logger = logging.getLogger("aisched_prefect.control")
 
 
-class Dispatcher(Queueing, Settlement, Losses, ModelSlots):
+class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
     """Everything that touches Dask, and the table of running work the watcher keeps honest."""
 
     def __init__(self, client: Client, signer: TicketSigner, ledger: Ledger, state: AuthorityState, settings: Settings,
@@ -74,7 +75,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots):
                 if self.client.status != "running":
                     raise scheduler_unreachable(self.client, "it is being reconnected")
                 try:
-                    self._inventories = cluster_inventories(self.client)
+                    self._inventories = self.with_capacity(cluster_inventories(self.client))  # and the scaler's groups
                 except (OSError, TimeoutError) as exc:
                     raise scheduler_unreachable(self.client, f"{type(exc).__name__}: {exc}") from None
                 self._inventories_at = time.monotonic()
@@ -151,6 +152,9 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots):
                     return Reply(status="stopped", reason="its flow process went away while it waited in the queue",
                                  error_type="dask_gpu.errors.StopRequested",
                                  error_message="stopped: its flow process went away"), b""
+                if (no_capacity := self.capacity_denied(state)) is not None:  # its group started nothing in time
+                    self.settle(state, None, {"outcome": "no-capacity", "error": no_capacity[0]})
+                    return denied("capacity", *no_capacity), b""
                 if state.placement is None:
                     self.settle(state, None, {"outcome": "revoked-while-queued"})
                     return denied("revocation", f"a grant in the chain {admission.chain} was revoked while the run "

@@ -21,7 +21,8 @@ from enum import IntEnum
 from typing import Any
 
 from aisched_prefect.approvals import approval_digest
-from aisched_prefect.control import stages
+from aisched_prefect.control import capacity, stages
+from aisched_prefect.control.capacity import joined_only
 from aisched_prefect.control.admission import Admission, mark_version_seen, version_scope
 from aisched_prefect.control.approvals import ApprovalBook, announce
 from aisched_prefect.control.identity import Credential
@@ -145,9 +146,13 @@ class Phases:
         """Against inventories at most a few seconds old; an infeasible answer is checked again on fresh ones."""
         tenant = case.cred.tenant if case.cred else None
         try:
-            workers, types = stages.feasibility(case.request, self.inventories(False), tenant)
+            workers, types = stages.feasibility(case.request, joined_only(self.inventories(False)), tenant)
         except AdmissionDenied:
-            workers, types = stages.feasibility(case.request, self.inventories(True), tenant)
+            fresh = self.inventories(True)
+            try:
+                workers, types = stages.feasibility(case.request, joined_only(fresh), tenant)
+            except AdmissionDenied as refused:  # a group of the scaler at 0 jobs may hold it: it waits for that
+                workers, types = capacity.feasible(stages.feasibility, case.request, fresh, tenant, refused)
         return replace(case, workers=workers, types=types)
 
     def pricing(self, snap: Snapshot, case: Case) -> Case:

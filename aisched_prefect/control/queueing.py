@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aisched_prefect.control.admission import Admission, Readmitter
+from aisched_prefect.control.capacity import waits_for_capacity
 from aisched_prefect.control.running import BodyParts, Placement, Preempted, Running, _crashed
 from aisched_prefect.control.warm import warm_key
 from aisched_prefect.wire import Reply
@@ -47,6 +48,8 @@ class Queueing:
             state.call_key = call_key
             self._enter_queue(state, lambda placement: self._spawn(
                 self._run_placed, state, placement, body, admitter, done))
+            if waits_for_capacity(admission.workers):  # only a job the scaler is to start holds it
+                self.follow_capacity(state)
             return state.key
         self._spawn(self._run_blocking, admission, body, admitter, done)
         return ""

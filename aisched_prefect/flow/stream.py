@@ -266,6 +266,8 @@ class CallStream:
         elif self._flush is None:
             self._flush = loop.call_later(BATCH_SECONDS, self._send_now)
         reply = await accepted
+        if reply.status == "accepted" and reply.reason:  # it waits for capacity a scaler starts: say for what
+            _flow_log(f"AI task {meta.task_name} {reply.reason}")
         if reply.status == "accepted":
             k, instance = self._accepted_at.pop(reply.key, (0, ""))
             self._follow.accepted(k, reply.key, instance)
@@ -475,3 +477,13 @@ class CallStream:
             fut.set_result((reply, out))
         else:
             self._arrived[key] = (reply, out)
+
+
+def _flow_log(message: str) -> None:
+    """A line in the flow run's log (Prefect's run logger where there is a run context), else this module's log."""
+    try:
+        from prefect.logging import get_run_logger
+
+        get_run_logger().warning(message)
+    except Exception:  # no run context here: the process's log
+        logger.warning(message)

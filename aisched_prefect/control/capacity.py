@@ -1,0 +1,118 @@
+"""Runs admitted for capacity that can be started: a Slurm job of a worker group the scaler has at 0 jobs.
+
+Feasibility reads the workers that joined and, beside them, the groups `dask-gpu-slurm` publishes on the scheduler
+(dask_gpu.slurm_capacity: the operator's configuration, which only a client-certificate holder can publish, never a
+flow). A run the joined workers cannot hold but a group can is admitted as waiting for capacity: recorded, its
+budget held as any waiting run's, entered in the cluster's queue limited to workers that join for it (the queue
+widens it to a joining worker whose tenant and devices hold it), and the scaler counts it in its backlog and submits.
+
+While it waits, the control plane follows the group's jobs as the scaler publishes them and records each change
+(`capacity-wait`: "a Slurm job of group a100-1 was submitted: job 41, pending: Resources"). If no worker of the
+group joined within the scaler's `start_seconds`, the run is taken out of the queue and fails with Slurm's own pending
+reason; its holds are voided: nothing ran, nothing is charged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from aisched_prefect.errors import AdmissionDenied
+from aisched_prefect.request import AIRequest
+from dask_gpu import WorkerInventory
+from dask_gpu.slurm_capacity import CAPACITY_PREFIX, Capacity, groups_of, read_capacity
+
+logger = logging.getLogger("aisched_prefect.control")
+
+NO_CAPACITY = "no capacity: "  # a stop reason: the run's group started no worker within its bound
+POLL_SECONDS = 1.0
+
+
+def joined_only(inventories: dict[str, WorkerInventory]) -> dict[str, WorkerInventory]:
+    return {k: v for k, v in inventories.items() if not k.startswith(CAPACITY_PREFIX)}
+
+
+def waits_for_capacity(workers: list[str]) -> list[str]:
+    """The groups a run was admitted for, when only capacity that can be started could hold it (else [])."""
+    return groups_of(workers) if workers and all(w.startswith(CAPACITY_PREFIX) for w in workers) else []
+
+
+def feasible(check: Any, request: AIRequest, inventories: dict[str, WorkerInventory], tenant: str | None,
+             refused: AdmissionDenied) -> tuple[list[str], list[str]]:
+    """The joined workers refused the run (`refused`): the scaler's groups may hold it. `check` is stage 1's
+    feasibility. Raises `refused`, naming the groups too, where no group can hold it either."""
+    standins = {k: v for k, v in inventories.items() if k.startswith(CAPACITY_PREFIX)}
+    if not standins:
+        raise refused
+    try:
+        return check(request, {**joined_only(inventories), **standins}, tenant)
+    except AdmissionDenied:
+        groups = sorted({k[len(CAPACITY_PREFIX):].split("#", 1)[0] + f" ({v.devices[0].gpu_type} x{len(v.devices)}, "
+                         f"{v.tenant or 'every tenant'})" for k, v in standins.items()})
+        raise AdmissionDenied(refused.stage, f"{refused.reason}; and no worker group of dask-gpu-slurm can start one "
+                              f"that holds it (its groups: {', '.join(groups)})",
+                              f"{refused.fix}; or the operator adds such a group to the scaler's configuration"
+                              ) from None
+
+
+class CapacityWaits:
+    """The dispatcher's part that follows runs waiting for a group's first worker (a mixin of Dispatcher)."""
+
+    def capacity(self) -> Capacity | None:
+        return read_capacity(self.client)  # type: ignore[attr-defined]
+
+    def with_capacity(self, inventories: dict[str, WorkerInventory]) -> dict[str, WorkerInventory]:
+        """The joined workers' inventories and one stand-in per job the scaler's groups may start."""
+        cap = self.capacity()
+        return {**inventories, **(cap.inventories() if cap is not None else {})}
+
+    def follow_capacity(self, state: Any) -> str:
+        """Start following a run admitted for capacity; the line its flow's log gets now."""
+        groups = waits_for_capacity(state.admission.workers)
+        cap = self.capacity()
+        bound = cap.start_seconds if cap is not None else 600.0
+        threading.Thread(target=self._capacity_wait, args=(state, groups, bound), name="aisched-capacity",
+                         daemon=True).start()
+        note = (f"waits for capacity: a worker of Slurm group {' or '.join(groups)} (dask-gpu-slurm submits its job; "
+                f"at most {bound:g} s, then it fails with Slurm's reason)")
+        self.__dict__.setdefault("_capacity_notes", {})[state.key] = note
+        return note
+
+    def capacity_note(self, key: str) -> str:
+        """What a run launched under `key` waits for ('' for a run that waits for no capacity), once."""
+        return self.__dict__.get("_capacity_notes", {}).pop(key, "")
+
+    def _capacity_wait(self, state: Any, groups: list[str], bound: float) -> None:
+        deadline = time.monotonic() + bound
+        said = ""
+        while not state.placed and state.stop_reason is None:
+            cap = self.capacity()
+            line = cap.waiting_for(groups) if cap is not None else "dask-gpu-slurm publishes its groups no more"
+            if line != said:
+                said = line
+                logger.warning("AI task %s %s", state.admission.task_name, line)
+                try:
+                    self.ledger.record("capacity-wait", {  # type: ignore[attr-defined]
+                        "task": state.admission.task_name, "admission": state.admission.id, "groups": groups,
+                        "waiting_for": line}, **state.admission.ids)
+                except Exception:  # evidence of a wait, never a condition for it
+                    logger.warning("could not record the capacity wait", exc_info=True)
+            if time.monotonic() >= deadline:
+                break
+            state.wake.wait(POLL_SECONDS)
+        if not state.placed and state.stop_reason is None:
+            self.stop([state.key], f"{NO_CAPACITY}no worker of group {' or '.join(groups)} joined within "  # type: ignore[attr-defined]
+                      f"{bound:g} s: {said}")
+
+    def capacity_denied(self, state: Any) -> tuple[str, str] | None:
+        """(reason, fix) for a run that left the queue because its group started nothing in time, else None."""
+        reason = state.stop_reason or ""
+        if state.placement is not None or not reason.startswith(NO_CAPACITY):
+            return None
+        return (reason[len(NO_CAPACITY):], "the operator checks the group's partition and Slurm's reason "
+                "(squeue, sinfo), or raises policy.start_seconds in the scaler's configuration")
+
+
+__all__ = ["CapacityWaits", "NO_CAPACITY", "feasible", "joined_only", "waits_for_capacity"]
