@@ -9,12 +9,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from dask_gpu.queue_devices import UNITS
 from dask_gpu.queue_plugin import PLUGIN_NAME
 
 
 def backlog_on_scheduler(dask_scheduler: Any) -> dict[str, Any]:
     """The waiting runs (tenant, GPUs, gang width, types) and each worker (by name): its GPUs, whether it holds
-    anything now (a run, a fraction, a warm body, any Dask task), and the time of this answer."""
+    anything now (a run, a fraction, a warm body, any Dask task), the room left on its shared devices (a share of
+    each), and the time of this answer."""
     plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
     workers: dict[str, dict[str, Any]] = {}
     busy_addresses: set[str] = set()
@@ -32,7 +34,10 @@ def backlog_on_scheduler(dask_scheduler: Any) -> dict[str, Any]:
         busy_addresses.update(w["worker"] for w in plugin.warm_status())
     for address, ws in dask_scheduler.workers.items():
         busy = address in busy_addresses or bool(ws.processing)
-        workers[str(ws.name)] = {"address": address, "gpus": ws.resources.get("GPU", 0), "busy": busy}
+        # room left on its shared devices: waiting fractions the queue places there need no new job
+        room = [round(1.0 - d.share / UNITS, 6) for d in (plugin.devices.get(address, ()) if plugin is not None else ())
+                if d.fractions and d.share < UNITS]
+        workers[str(ws.name)] = {"address": address, "gpus": ws.resources.get("GPU", 0), "busy": busy, "room": room}
     return {"queue": plugin is not None, "waiting": waiting, "workers": workers, "at": time.time()}
 
 

@@ -36,6 +36,7 @@ class GroupCapacity(BaseModel):
     tenant: str | None = None
     max_jobs: int = Field(ge=1)
     gpu_memory_gb: float | None = None
+    start_seconds: float | None = None  # how long a run waits for this group's first worker (None: the scaler's)
 
 
 class PendingJob(BaseModel):
@@ -77,6 +78,11 @@ class Capacity(BaseModel):
                                                                          host=f"(a Slurm job of group {g.name})",
                                                                          tenant=g.tenant)
         return out
+
+    def bound(self, groups: list[str]) -> float:
+        """How long a run admitted for `groups` waits for a worker of one of them: the longest of their bounds."""
+        return max((g.start_seconds or self.start_seconds for g in self.groups if g.name in groups),
+                   default=self.start_seconds)
 
     def waiting_for(self, groups: list[str]) -> str:
         """Where the jobs of `groups` stand, in Slurm's words: what a run waiting for them waits for."""

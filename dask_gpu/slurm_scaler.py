@@ -141,7 +141,8 @@ class SlurmScaler:
                 idle = None
             else:
                 idle = now - self._idle_since.setdefault(name, now)
-            views.append(WorkerJob(name=name, group=group.name, job_id=job.job_id, joined=True, idle=idle))
+            views.append(WorkerJob(name=name, group=group.name, job_id=job.job_id, joined=True, idle=idle,
+                                   room=tuple(worker.get("room", ()))))
         waiting = [Waiting(tenant=w["tenant"], gpus=w["gpus"], width=w["width"],
                            types=tuple(w["types"]) if w["types"] else None) for w in snap["waiting"]]
         decision = plan(self.settings.policy, waiting, views)
@@ -164,7 +165,8 @@ class SlurmScaler:
             state, reason = (states or {}).get(job.job_id, ("PENDING", ""))
             jobs.append(PendingJob(job_id=job.job_id, group=group.name, state=state, reason=reason))
         return Capacity(groups=tuple(GroupCapacity(name=g.name, gpu_type=g.gpu_type, gpus=g.gpus, tenant=g.tenant,
-                                                   max_jobs=g.max_jobs, gpu_memory_gb=g.gpu_memory_gb)
+                                                   max_jobs=g.max_jobs, gpu_memory_gb=g.gpu_memory_gb,
+                                                   start_seconds=g.start_seconds)
                                      for g in p.groups),
                         max_jobs=p.max_jobs, start_seconds=p.start_seconds, jobs=tuple(jobs), at=time.time(),
                         fresh_seconds=max(30.0, 5 * self.settings.interval_seconds))

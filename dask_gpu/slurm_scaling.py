@@ -48,6 +48,7 @@ class WorkerGroup(BaseModel):
     gres: str | None = None  # default: gpu:TYPE:GPUS (lower-case type, as gres.conf names it)
     declared: str | None = None  # the node's GPUs for workers without NVML (dask-gpu-worker --declared)
     gpu_memory_gb: float | None = Field(default=None, gt=0)  # each GPU's memory, for admission (None: not checked then)
+    start_seconds: float | None = Field(default=None, gt=0)  # the policy's start_seconds, for this group's jobs
     job_extra_directives: tuple[str, ...] = ()  # more #SBATCH lines (--account=..., --qos=...)
     worker_args: tuple[str, ...] = ()  # more dask-gpu-worker arguments
 
@@ -115,6 +116,7 @@ class WorkerJob(BaseModel):
     job_id: str | None = None
     joined: bool = False
     idle: float | None = None  # seconds its joined worker has held nothing (None: busy, or not joined)
+    room: tuple[float, ...] = ()  # share left on each of its shared devices (waiting fractions fit there first)
 
 
 class Plan(BaseModel):
@@ -146,26 +148,27 @@ def _per_host(run: Waiting) -> int:
     return math.ceil(run.gpus / run.width) if run.width > 1 else math.ceil(run.gpus)
 
 
-def devices_for_fractions(shares: list[float]) -> int:
-    """Devices that hold these fractions at once, as the queue shares a device (first-fit decreasing by share)."""
-    free: list[float] = []
+def devices_for_fractions(shares: list[float], room: tuple[float, ...] = ()) -> int:
+    """New devices that hold these fractions at once, as the queue shares a device (first-fit decreasing by share),
+    after the `room` left on devices already shared (the queue places waiting fractions there first)."""
+    free: list[float] = list(room)
     for share in sorted(shares, reverse=True):
-        for i, room in enumerate(free):
-            if room + 1e-9 >= share:
-                free[i] = room - share
+        for i, left in enumerate(free):
+            if left + 1e-9 >= share:
+                free[i] = left - share
                 break
         else:
             free.append(1.0 - share)
-    return len(free)
+    return len(free) - len(room)
 
 
-def jobs_needed(group: WorkerGroup, runs: list[Waiting]) -> int:
-    """Jobs of `group` that hold `runs` at once: gangs take whole jobs, fractions share devices, the rest and those
-    devices packed onto jobs first-fit decreasing."""
+def jobs_needed(group: WorkerGroup, runs: list[Waiting], room: tuple[float, ...] = ()) -> int:
+    """Jobs of `group` that hold `runs` at once: gangs take whole jobs, fractions share devices (the `room` left on
+    its workers' shared devices first), the rest and those devices packed onto jobs first-fit decreasing."""
     jobs = sum(r.width for r in runs if r.width > 1)
     singles = [r for r in runs if r.width <= 1]
     needs = [_per_host(r) for r in singles if r.gpus >= 1]
-    needs += [1] * devices_for_fractions([r.gpus for r in singles if r.gpus < 1])
+    needs += [1] * devices_for_fractions([r.gpus for r in singles if r.gpus < 1], room)
     bins: list[int] = []
     for need in sorted(needs, reverse=True):
         for i, free in enumerate(bins):
@@ -192,10 +195,11 @@ def plan(policy: ScalingPolicy, waiting: list[Waiting], jobs: list[WorkerJob]) -
         have = [j for j in jobs if j.group == g.name]
         pending = [j for j in have if not j.joined]
         idle = [j for j in have if j.joined and j.idle is not None]
-        need = out.backlog[g.name] = jobs_needed(g, mine[g.name]) if mine[g.name] else 0
+        room = tuple(r for j in have if j.joined for r in j.room)
+        need = out.backlog[g.name] = jobs_needed(g, mine[g.name], room) if mine[g.name] else 0
         want = max(need - len(pending) - len(idle), g.min_jobs - len(have), 0)
-        room = max(min(g.max_jobs - len(have), policy.max_jobs - total), 0)
-        out.submit[g.name] = min(want, room)
+        free = max(min(g.max_jobs - len(have), policy.max_jobs - total), 0)
+        out.submit[g.name] = min(want, free)
         total += out.submit[g.name]
         if need:
             continue

@@ -39,6 +39,11 @@ def test_four_quarter_gpu_shards_need_one_gpu_and_so_one_job():
     assert jobs_needed(one_gpu, [run(gpus=0.75), run(gpus=0.5), run(gpus=0.25)]) == 2  # first fit decreasing
     assert jobs_needed(H100_A, [run(gpus=0.75), run(gpus=0.5), run(gpus=1)]) == 2  # two devices + one GPU, 2 a job
     assert devices_for_fractions([0.5] * 6) == 3
+    # A worker whose shared device still has room: the waiting quarters go there (the queue places them there
+    # first), no second job for them while the first shard runs
+    busy = [WorkerJob(name="w1", group="h100-1", joined=True, idle=None, room=(0.75,))]
+    assert plan(policy(one_gpu), [run(gpus=0.25)] * 3, busy).submit == {"h100-1": 0}
+    assert plan(policy(one_gpu), [run(gpus=0.25)] * 4, busy).submit == {"h100-1": 1}
 
 
 def test_waiting_runs_submit_jobs_per_type_and_tenant_within_the_bounds():

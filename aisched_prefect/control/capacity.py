@@ -72,7 +72,7 @@ class CapacityWaits:
         """Start following a run admitted for capacity; the line its flow's log gets now."""
         groups = waits_for_capacity(state.admission.workers)
         cap = self.capacity()
-        bound = cap.start_seconds if cap is not None else 600.0
+        bound = cap.bound(groups) if cap is not None else 600.0
         threading.Thread(target=self._capacity_wait, args=(state, groups, bound), name="aisched-capacity",
                          daemon=True).start()
         note = (f"waits for capacity: a worker of Slurm group {' or '.join(groups)} (dask-gpu-slurm submits its job; "
