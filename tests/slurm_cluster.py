@@ -83,9 +83,14 @@ class SlurmCluster:
     """One controller, one node (`gpus` GRES gpu stand-ins of `gpu_type`), one partition `gpu`."""
 
     def __init__(self, root: Path, *, gpus: int = 2, gpu_type: str = "h100", cpus: int = 8,
-                 memory_mb: int = 16000) -> None:
+                 memory_mb: int = 16000, more_types: tuple[tuple[str, int], ...] = (),
+                 down_partition: str | None = None) -> None:
+        """`more_types`: GRES types after `gpu_type`'s (their devices numbered on); `down_partition`: a second
+        partition of the node whose State is DOWN (jobs submitted there pend, reason PartitionDown)."""
         self.root = Path(root)
         self.gpus, self.gpu_type, self.cpus, self.memory_mb = gpus, gpu_type, cpus, memory_mb
+        self.types = ((gpu_type, gpus), *more_types)
+        self.down_partition = down_partition
         self.node = socket.gethostname().split(".")[0]
         self.conf = self.root / "etc" / "slurm.conf"
         self.sockets: Path | None = None  # the short folder of the Unix sockets (made by start, removed by close)
@@ -97,9 +102,11 @@ class SlurmCluster:
     def _write(self) -> None:
         for d in ("etc", "munge", "state", "log", "run", "dev"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        self.sockets = Path(tempfile.mkdtemp(prefix="aisched-slurm-", dir="/tmp"))  # 0700, root's
+        self.sockets = Path(tempfile.mkdtemp(prefix="aisched-slurm-", dir="/tmp"))
+        os.chmod(self.sockets, 0o755)  # munge's clients (a job's user) reach its socket through it
         self.munge_socket = self.sockets / "munge.socket"
         self.spool = self.sockets / "spool"
+        self.spool.mkdir()
         longest = self.spool / f"slurmd-{self.node}" / f"{self.node}_4294967294.4294967294"  # a step's socket
         if len(str(longest)) > SOCKET_PATH_MAX:
             raise SlurmUnavailable(f"a job step's socket would be {longest} ({len(str(longest))} bytes, at most "
@@ -108,12 +115,15 @@ class SlurmCluster:
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
-        for i in range(self.gpus):  # stand-ins: character devices with the NVIDIA major (195), minor i
+        for i in range(sum(n for _, n in self.types)):  # stand-ins: character devices, NVIDIA's major (195), minor i
             node = self.root / "dev" / f"nvidia{i}"
             if not node.exists():
                 os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, i))
         r = self.root
         self.ports = (free_port(), free_port())
+        gres = ",".join(f"gpu:{t}:{n}" for t, n in self.types)
+        down = (f"PartitionName={self.down_partition} Nodes={self.node} MaxTime=INFINITE State=DOWN\n"
+                if self.down_partition else "")
         self.conf.write_text(f"""\
 ClusterName=aisched-test
 SlurmctldHost={self.node}(127.0.0.1)
@@ -147,13 +157,17 @@ ReturnToService=2
 KillWait=5
 MinJobAge=600
 InactiveLimit=0
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} Gres=gpu:{self.gpu_type}:{self.gpus} State=UNKNOWN
+NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} Gres={gres} State=UNKNOWN
 PartitionName=gpu Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
-""")
+{down}""")
         (r / "etc" / "plugstack.conf").write_text("")
-        last = self.gpus - 1
-        devices = f"{r}/dev/nvidia[0-{last}]" if last else f"{r}/dev/nvidia0"
-        (r / "etc" / "gres.conf").write_text(f"NodeName={self.node} Name=gpu Type={self.gpu_type} File={devices}\n")
+        lines, first = [], 0
+        for gpu_type, n in self.types:
+            last = first + n - 1
+            devices = f"{r}/dev/nvidia[{first}-{last}]" if last > first else f"{r}/dev/nvidia{first}"
+            lines.append(f"NodeName={self.node} Name=gpu Type={gpu_type} File={devices}\n")
+            first = last + 1
+        (r / "etc" / "gres.conf").write_text("".join(lines))
 
     def env(self) -> dict[str, str]:
         """The environment a Slurm client (sbatch, squeue, dask-jobqueue) needs to reach this cluster."""
@@ -199,7 +213,8 @@ PartitionName=gpu Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def _node_idle(self) -> bool:
         out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False)
-        return out.returncode == 0 and out.stdout.strip() in ("idle", "mixed", "allocated")
+        states = out.stdout.split()  # one line per partition the node is in
+        return out.returncode == 0 and bool(states) and all(s in ("idle", "mixed", "allocated") for s in states)
 
     def logs(self, lines: int = 25) -> str:
         out = []
