@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dask_gpu.errors import DaskGPUError
 from dask_gpu.queue_backlog import backlog_on_scheduler
@@ -55,6 +55,17 @@ class ScalerSettings(BaseModel):
     log_directory: str | None = None  # where Slurm writes each job's output (default: Slurm's, the submit folder)
     local_directory: str | None = None  # the workers' scratch folder (dask worker --local-directory)
     job_script_prologue: tuple[str, ...] = ()  # lines the job script runs first (module load ..., source venv)
+
+    @model_validator(mode="after")
+    def _one_tenant_each(self) -> ScalerSettings:
+        """A worker in a Slurm job cannot isolate tenants, so it serves one (dask_gpu.isolation): a group without a
+        tenant would submit jobs whose workers refuse to start, again and again."""
+        for g in self.policy.groups:
+            if g.tenant is None and "--isolation" not in " ".join(g.worker_args):
+                raise ValueError(f"group {g.name} names no tenant: its workers run unisolated in their Slurm jobs and "
+                                 "serve one tenant, so they would refuse to start. Fix: give it `tenant: NAME`, or "
+                                 "`worker_args: [--isolation, shared]` where one trusted team uses every group")
+        return self
 
 
 def load_settings(path: str | Path) -> ScalerSettings:
@@ -150,8 +161,10 @@ class SlurmScaler:
             for _ in range(n):
                 await self._submit(self.groups[group_name], decision.backlog[group_name])
         for name in decision.cancel:
-            await self._give_back(name, f"idle for {self.settings.policy.idle_seconds:g}s or more, nothing waits "
-                                        "for its group", address=snap["workers"].get(name, {}).get("address"))
+            why = (f"idle for {self.settings.policy.idle_seconds:g}s or more" if name in snap["workers"]
+                   else "still pending")
+            await self._give_back(name, f"{why}, nothing waits for its group",
+                                  address=snap["workers"].get(name, {}).get("address"))
         await self.publish(snap["workers"], None if any(decision.submit.values()) else states)  # new jobs: ask again
         return decision
 

@@ -213,5 +213,5 @@ def plan(policy: ScalingPolicy, waiting: list[Waiting], jobs: list[WorkerJob]) -
     return out
 
 
-__all__ = ["Plan", "ScalingPolicy", "Waiting", "WorkerGroup", "WorkerJob", "devices_for_fractions", "holds", "jobs_needed",
-           "plan"]
+__all__ = ["Plan", "ScalingPolicy", "Waiting", "WorkerGroup", "WorkerJob", "devices_for_fractions", "holds",
+           "jobs_needed", "plan"]

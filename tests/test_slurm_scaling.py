@@ -140,3 +140,6 @@ def test_dask_gpu_slurm_help_lists_its_options_and_config_fields_and_check_submi
     done = subprocess.run([exe, config, "--check"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "a100-1: --gres=gpu:a100:1, team-c, 0-1 jobs" in done.stdout and "at most 120 s" in done.stdout
+    config.write_text(config.read_text().replace(", tenant: team-c", ""))  # a group of workers that would not start
+    done = subprocess.run([exe, config, "--check"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "group a100-1 names no tenant" in done.stderr and "Fix:" in done.stderr

@@ -35,8 +35,9 @@ def joined_only(inventories: dict[str, WorkerInventory]) -> dict[str, WorkerInve
 
 
 def waits_for_capacity(workers: list[str]) -> list[str]:
-    """The groups a run was admitted for, when only capacity that can be started could hold it (else [])."""
-    return groups_of(workers) if workers and all(w.startswith(CAPACITY_PREFIX) for w in workers) else []
+    """The groups a run was admitted for, where the joined workers alone could not hold it (else []): its eligible
+    workers name a stand-in for a job a group can start (a gang may also name joined workers)."""
+    return groups_of(workers)
 
 
 def feasible(check: Any, request: AIRequest, inventories: dict[str, WorkerInventory], tenant: str | None,
@@ -103,8 +104,8 @@ class CapacityWaits:
                 break
             state.wake.wait(POLL_SECONDS)
         if not state.placed and state.stop_reason is None:
-            self.stop([state.key], f"{NO_CAPACITY}no worker of group {' or '.join(groups)} joined within "  # type: ignore[attr-defined]
-                      f"{bound:g} s: {said}")
+            why = f"{NO_CAPACITY}no worker of group {' or '.join(groups)} joined within {bound:g} s: {said}"
+            self.stop([state.key], why)  # type: ignore[attr-defined]
 
     def capacity_denied(self, state: Any) -> tuple[str, str] | None:
         """(reason, fix) for a run that left the queue because its group started nothing in time, else None."""

@@ -251,9 +251,9 @@ class Runs:
         with self._flight_lock:
             runs, held = self._in_flight.get(cred.id, (0, 0))
             self._in_flight[cred.id] = (runs + 1, held + size)
-        launched = self.dispatcher.launch(admission, BodyParts(fn_bytes, args_bytes, tuple(meta.modules)),
-                                          self.pipeline, lambda reply, out: self._finished(key, reply, out, cred.id, size),
-                                          call_key=key)
+        launched = self.dispatcher.launch(
+            admission, BodyParts(fn_bytes, args_bytes, tuple(meta.modules)), self.pipeline,
+            lambda reply, out: self._finished(key, reply, out, cred.id, size), call_key=key)
         # A run only a group of the scaler at 0 jobs holds: its flow's log says what it waits for.
         return Reply(status="accepted", key=key, admission=admission.id,
                      reason=self.dispatcher.capacity_note(launched) if launched else ""), b""
