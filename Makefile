@@ -30,19 +30,19 @@ demo-server-stop:
 	$(BIN)/python -m flows.demo_server down
 
 # `make test`: everything but the tests marked slow (a minute or more each: the walk-through page, the deployment,
-# the browser, the scheduler outages, the real Slurm); `make test-slow` runs those but Slurm's; `make test-slurm`
-# runs the Slurm tests alone, in one process (beside other tests their one-node Slurm's job launches fail: munge
-# answers "Unauthorized credential"); `make test-all` all three. CI runs all three.
+# the browser, the scheduler outages, the real Slurm); `make test-slow` runs those, the Slurm ones beside the others
+# (each test Slurm keeps its Unix sockets in a short folder of its own: tests/slurm_cluster.py); `make test-slurm`
+# runs only the Slurm tests; `make test-all` runs test and test-slow, as CI does.
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m "slow and not slurm"
+	$(BIN)/python -m pytest -m "slow"
 
 test-slurm: $(STAMP)
-	$(BIN)/python -m pytest -n0 -m slurm
+	$(BIN)/python -m pytest -m slurm
 
-test-all: test test-slow test-slurm
+test-all: test test-slow
 
 # The documentation site, built strictly into site/ (a broken link or API reference fails it).
 docs: $(STAMP)

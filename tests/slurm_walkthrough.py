@@ -2,13 +2,13 @@
 
 The page's marked blocks (`<!-- walk-through: STEP -->`, as tests/test_walkthrough.py reads them) run in page order
 in one `bash` with HOME in a temporary folder, SLURM_CONF naming the test's own Slurm (tests/slurm_cluster.py: four
-GRES gpu:h100 stand-ins in partition `gpu`) and the page's port numbers (4200, 8786, 8787, 8790) replaced by free
+GRES gpu:h100 and one gpu:a100 stand-ins in partition `gpu`) and the page's port numbers (4200, 8786, 8787, 8790) replaced by free
 ones. Between steps the test checks what a reader would see, and the ledger behind it. Skipped, with the reason,
 where Slurm cannot start (a failure where AISCHED_REQUIRE_SLURM is set, as in CI).
 
-Collected through tests/test_slurm.py (imported there), so every test that starts a Slurm runs in one test process:
-two Slurms of one session in two xdist processes failed each other's job launches (munge "Unauthorized
-credential"), one after the other in one process they do not.
+Collected through tests/test_slurm.py (imported there: this file's name is not test_*.py). It runs beside other test
+files like any slow test: each test Slurm keeps its Unix sockets in a short folder of its own (tests/slurm_cluster.py
+says why: a job step's socket under an xdist tmp_path was longer than a socket path may be).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.timeout(1200)]
 
 
 def test_the_page_marks_its_slurm_walk_through():
-    assert [s.name for s in steps(PAGE)] == ["cluster", "scaler", "configure", "flow", "give-back",
-                                             "file train_retry.py", "scancel", "stop"]
+    assert [s.name for s in steps(PAGE)] == ["cluster", "scaler", "configure", "flow", "file from_zero.py",
+                                             "from-zero", "give-back", "file train_retry.py", "scancel", "stop"]
 
 
 def test_the_slurm_walk_through_runs_as_written(tmp_path):
-    slurm = SlurmCluster(tmp_path / "slurm", gpus=4, gpu_type="h100")
+    slurm = SlurmCluster(tmp_path / "slurm", gpus=4, gpu_type="h100", more_types=(("a100", 1),))
     started_or_skip(slurm)
     home = tmp_path / "home"
     home.mkdir()
@@ -49,8 +49,8 @@ def test_the_slurm_walk_through_runs_as_written(tmp_path):
     env.pop("VIRTUAL_ENV", None)
     shell = Shell(tmp_path, env)
     done: dict[str, str] = {}
-    timeouts = {"cluster": 240, "scaler": 240, "configure": 420, "flow": 420, "give-back": 120, "scancel": 420,
-                "stop": 120}
+    timeouts = {"cluster": 240, "scaler": 240, "configure": 420, "flow": 420, "from-zero": 420, "give-back": 120,
+                "scancel": 420, "stop": 120}
     demo = home / "aisched-slurm"
 
     def run(step: Step) -> str:
@@ -70,6 +70,8 @@ def test_the_slurm_walk_through_runs_as_written(tmp_path):
                 assert re.search(r"h100-examples-\S+ \(Slurm job \d+\)", out) and re.search(r"\d+ +gpu +dask-gpu +\S+ +R ", out), out
             elif step.name == "flow":
                 _check_flow(out, demo, home)
+            elif step.name == "from-zero":
+                _check_from_zero(out, home)
             elif step.name == "give-back":
                 assert re.search(r"gave back Slurm job \d+", out), out
             elif step.name == "scancel":
@@ -101,6 +103,16 @@ def _check_flow(out: str, demo: Path, home: Path) -> None:
     assert len(settled) == 8 and all(s["outcome"] == "completed" for s in settled), settled
     assert all(s["placement"].get("slurm_job") for s in settled), [s["placement"] for s in settled]
     assert "(Slurm job" in out, out
+
+
+def _check_from_zero(out: str, home: Path) -> None:
+    """No worker had an A100: the run waited for capacity, started on the job submitted for it, and completed."""
+    assert "waits for capacity: a worker of Slurm group a100-examples" in out, out
+    assert re.search(r"embedded 1000 rows on a100-examples-\S+", out), out
+    job = re.search(r"submitted Slurm job (\d+) \(a100-examples-", out)
+    assert job, out
+    settled = [r.payload for r in _ledger(home).records() if r.kind == "settlement" and r.payload.get("task") == "embed"]
+    assert [s["outcome"] for s in settled] == ["completed"] and settled[0]["placement"]["slurm_job"] == job.group(1)
 
 
 def _check_scancel(out: str, home: Path) -> None:

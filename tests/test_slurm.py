@@ -26,7 +26,7 @@ from aisched_prefect import ai_task
 from tests.clusterprocs import BIN, REPO, ClusterProcs
 from tests.helpers import authority, tenant
 from tests.slurm_cluster import SlurmCluster, started_or_skip
-from tests.slurm_walkthrough import (  # noqa: F401 - collected here: one test process runs every Slurm (see there)
+from tests.slurm_walkthrough import (  # noqa: F401 - collected here (that file is no test_*.py)
     test_the_page_marks_its_slurm_walk_through,
     test_the_slurm_walk_through_runs_as_written,
 )

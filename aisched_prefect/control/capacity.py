@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aisched_prefect.errors import AdmissionDenied
@@ -28,6 +29,18 @@ logger = logging.getLogger("aisched_prefect.control")
 
 NO_CAPACITY = "no capacity: "  # a stop reason: the run's group started no worker within its bound
 POLL_SECONDS = 1.0
+DEFAULT_BOUND = 600.0  # a run admitted just as the scaler's publication went stale: the scaler's own default
+
+
+@dataclass
+class _Waiting:
+    """A run waiting for a group's first worker, as the follower sees it."""
+
+    state: Any
+    groups: list[str]
+    deadline: float  # monotonic
+    bound: float
+    said: str = ""
 
 
 def joined_only(inventories: dict[str, WorkerInventory]) -> dict[str, WorkerInventory]:
@@ -70,42 +83,66 @@ class CapacityWaits:
         return {**inventories, **(cap.inventories() if cap is not None else {})}
 
     def follow_capacity(self, state: Any) -> str:
-        """Start following a run admitted for capacity; the line its flow's log gets now."""
+        """Start following a run admitted for capacity; the line its flow's log gets now. One thread follows every
+        such run (a map of 10,000 shards waiting for a group reads the publication once a second, not 10,000 times)."""
         groups = waits_for_capacity(state.admission.workers)
         cap = self.capacity()
-        bound = cap.bound(groups) if cap is not None else 600.0
-        threading.Thread(target=self._capacity_wait, args=(state, groups, bound), name="aisched-capacity",
-                         daemon=True).start()
+        bound = cap.bound(groups) if cap is not None else DEFAULT_BOUND
         note = (f"waits for capacity: a worker of Slurm group {' or '.join(groups)} (dask-gpu-slurm submits its job; "
                 f"at most {bound:g} s, then it fails with Slurm's reason)")
-        self.__dict__.setdefault("_capacity_notes", {})[state.key] = note
+        books = self.__dict__.setdefault("_capacity", {"runs": {}, "notes": {}, "lock": threading.Lock(),
+                                                       "thread": None})
+        with books["lock"]:
+            books["notes"][state.key] = note
+            books["runs"][state.key] = _Waiting(state, groups, time.monotonic() + bound, bound)
+            if books["thread"] is None or not books["thread"].is_alive():
+                books["thread"] = threading.Thread(target=self._follow_all, args=(books,), name="aisched-capacity",
+                                                   daemon=True)
+                books["thread"].start()
         return note
 
     def capacity_note(self, key: str) -> str:
         """What a run launched under `key` waits for ('' for a run that waits for no capacity), once."""
-        return self.__dict__.get("_capacity_notes", {}).pop(key, "")
+        books = self.__dict__.get("_capacity")
+        if books is None:
+            return ""
+        with books["lock"]:
+            return books["notes"].pop(key, "")
 
-    def _capacity_wait(self, state: Any, groups: list[str], bound: float) -> None:
-        deadline = time.monotonic() + bound
-        said = ""
-        while not state.placed and state.stop_reason is None:
+    def _follow_all(self, books: dict[str, Any]) -> None:
+        while True:
+            with books["lock"]:
+                waiting = [w for w in books["runs"].values()]
+                for w in waiting:
+                    if w.state.placed or w.state.stop_reason is not None:
+                        books["runs"].pop(w.state.key, None)
+                        books["notes"].pop(w.state.key, None)
+                if not books["runs"]:
+                    books["thread"] = None
+                    return
             cap = self.capacity()
-            line = cap.waiting_for(groups) if cap is not None else "dask-gpu-slurm publishes its groups no more"
-            if line != said:
-                said = line
-                logger.warning("AI task %s %s", state.admission.task_name, line)
-                try:
-                    self.ledger.record("capacity-wait", {  # type: ignore[attr-defined]
-                        "task": state.admission.task_name, "admission": state.admission.id, "groups": groups,
-                        "waiting_for": line}, **state.admission.ids)
-                except Exception:  # evidence of a wait, never a condition for it
-                    logger.warning("could not record the capacity wait", exc_info=True)
-            if time.monotonic() >= deadline:
-                break
-            state.wake.wait(POLL_SECONDS)
-        if not state.placed and state.stop_reason is None:
-            why = f"{NO_CAPACITY}no worker of group {' or '.join(groups)} joined within {bound:g} s: {said}"
-            self.stop([state.key], why)  # type: ignore[attr-defined]
+            now = time.monotonic()
+            for w in waiting:
+                if w.state.placed or w.state.stop_reason is not None:
+                    continue
+                line = cap.waiting_for(w.groups) if cap is not None else "dask-gpu-slurm publishes its groups no more"
+                if line != w.said:
+                    w.said = line
+                    self._say(w, line)
+                if now >= w.deadline:
+                    why = f"{NO_CAPACITY}no worker of group {' or '.join(w.groups)} joined within {w.bound:g} s: {line}"
+                    self.stop([w.state.key], why)  # type: ignore[attr-defined]
+            time.sleep(POLL_SECONDS)
+
+    def _say(self, w: _Waiting, line: str) -> None:
+        """Each change of what a run waits for: the plane's log and a `capacity-wait` record (its evidence)."""
+        adm = w.state.admission
+        logger.warning("AI task %s %s", adm.task_name, line)
+        try:
+            payload = {"task": adm.task_name, "admission": adm.id, "groups": w.groups, "waiting_for": line}
+            self.ledger.record("capacity-wait", payload, **adm.ids)  # type: ignore[attr-defined]
+        except Exception:  # evidence of a wait, never a condition for it
+            logger.warning("could not record the capacity wait", exc_info=True)
 
     def capacity_denied(self, state: Any) -> tuple[str, str] | None:
         """(reason, fix) for a run that left the queue because its group started nothing in time, else None."""
