@@ -3,7 +3,7 @@
 `dask-gpu-slurm` (dask_gpu.slurm_scaler) publishes its groups on the scheduler every turn (`publish_on_scheduler`,
 through `client.run_on_scheduler`, which on a TLS cluster only the holder of the client certificate may call: the
 operator's scaler or the control plane, never a flow), with its own bounds (its `max_jobs` over all groups, how long a
-run may wait for a job of a group to join: `start_seconds`) and Slurm's word for each of its jobs still pending (the
+run may wait for a job of a group to join: `start_seconds`) and Slurm's word for each of its jobs (the
 state and reason `squeue` gives). The control plane reads it with the workers' inventories (`read_capacity`): a run
 that only a group at 0 jobs could hold is admitted as waiting for capacity (aisched_prefect/control/capacity.py).
 
@@ -40,7 +40,7 @@ class GroupCapacity(BaseModel):
 
 
 class PendingJob(BaseModel):
-    """A worker job the scaler submitted whose worker has not joined yet, as Slurm tells it."""
+    """A worker job the scaler submitted, as Slurm tells it (state and reason; a joined worker's: RUNNING)."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -169,13 +169,15 @@ class SlurmScaler:
         return decision
 
     def capacity(self, workers: dict[str, Any], states: dict[str, tuple[str, str]] | None) -> Capacity:
-        """What admission may count on: the groups, the bounds, and Slurm's word for each job not joined yet."""
+        """What admission may count on: the groups, the bounds, and Slurm's word for each of its jobs (those whose
+        worker joined: RUNNING, its worker joined)."""
         p = self.settings.policy
         jobs = []
         for name, (group, job) in self.jobs.items():
-            if name in workers or not job.job_id:
+            if not job.job_id:
                 continue
-            state, reason = (states or {}).get(job.job_id, ("PENDING", ""))
+            joined = ("RUNNING", "its worker joined") if name in workers else ("PENDING", "")
+            state, reason = joined if name in workers else (states or {}).get(job.job_id, joined)
             jobs.append(PendingJob(job_id=job.job_id, group=group.name, state=state, reason=reason))
         return Capacity(groups=tuple(GroupCapacity(name=g.name, gpu_type=g.gpu_type, gpus=g.gpus, tenant=g.tenant,
                                                    max_jobs=g.max_jobs, gpu_memory_gb=g.gpu_memory_gb,

@@ -108,6 +108,7 @@ def _check_flow(out: str, demo: Path, home: Path) -> None:
 def _check_from_zero(out: str, home: Path) -> None:
     """No worker had an A100: the run waited for capacity, started on the job submitted for it, and completed."""
     assert "waits for capacity: a worker of Slurm group a100-examples" in out, out
+    assert re.search(r"embed waited for capacity: a Slurm job of group a100-examples was submitted: job \d+", out), out
     assert re.search(r"embedded 1000 rows on a100-examples-\S+", out), out
     job = re.search(r"submitted Slurm job (\d+) \(a100-examples-", out)
     assert job, out

@@ -149,6 +149,11 @@ def test_runs_only_groups_at_zero_jobs_hold_start_on_the_jobs_submitted_for_them
         # The flow's log said what each waited for.
         said = [r.getMessage() for r in caplog.records if "waits for capacity" in r.getMessage()]
         assert any("on_a100 waits for capacity: a worker of Slurm group a100-a" in s for s in said), said
+        job = submitted["a100-a"][0]
+        assert any(f"on_a100 waited for capacity: a Slurm job of group a100-a was submitted: job {job}" in r.getMessage()
+                   for r in caplog.records), said  # replayed in the flow's log with the run's own lines
+        assert any("on_a10 waited for capacity: a Slurm job of group a10-down was submitted: job" in r.getMessage()
+                   and "pending: PartitionDown" in r.getMessage() for r in caplog.records)
         for name in ("a100", "team-c"):
             admitted = [r for r in cluster.plane.records(ids[name]) if r.kind == "settlement"]
             assert admitted and all(r.payload["outcome"] == "completed" for r in admitted), admitted

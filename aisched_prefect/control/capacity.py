@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aisched_prefect.errors import AdmissionDenied
@@ -41,6 +41,7 @@ class _Waiting:
     deadline: float  # monotonic
     bound: float
     said: str = ""
+    lines: list[str] = field(default_factory=list)  # every change of what it waited for, for its flow's log
 
 
 def joined_only(inventories: dict[str, WorkerInventory]) -> dict[str, WorkerInventory]:
@@ -90,11 +91,12 @@ class CapacityWaits:
         bound = cap.bound(groups) if cap is not None else DEFAULT_BOUND
         note = (f"waits for capacity: a worker of Slurm group {' or '.join(groups)} (dask-gpu-slurm submits its job; "
                 f"at most {bound:g} s, then it fails with Slurm's reason)")
-        books = self.__dict__.setdefault("_capacity", {"runs": {}, "notes": {}, "lock": threading.Lock(),
+        books = self.__dict__.setdefault("_capacity", {"runs": {}, "notes": {}, "said": {}, "lock": threading.Lock(),
                                                        "thread": None})
         with books["lock"]:
             books["notes"][state.key] = note
-            books["runs"][state.key] = _Waiting(state, groups, time.monotonic() + bound, bound)
+            books["runs"][state.key] = books["said"][state.key] = _Waiting(state, groups, time.monotonic() + bound,
+                                                                           bound)
             if books["thread"] is None or not books["thread"].is_alive():
                 books["thread"] = threading.Thread(target=self._follow_all, args=(books,), name="aisched-capacity",
                                                    daemon=True)
@@ -108,6 +110,15 @@ class CapacityWaits:
             return ""
         with books["lock"]:
             return books["notes"].pop(key, "")
+
+    def capacity_said(self, key: str) -> list[str]:
+        """Each change of what the run under `key` waited for (Slurm's words), once: its flow's log gets them."""
+        books = self.__dict__.get("_capacity")
+        if books is None:
+            return []
+        with books["lock"]:
+            w = books["said"].pop(key, None)
+        return list(w.lines) if w is not None else []
 
     def _follow_all(self, books: dict[str, Any]) -> None:
         while True:
@@ -128,6 +139,7 @@ class CapacityWaits:
                 line = cap.waiting_for(w.groups) if cap is not None else "dask-gpu-slurm publishes its groups no more"
                 if line != w.said:
                     w.said = line
+                    w.lines.append(line)
                     self._say(w, line)
                 if now >= w.deadline:
                     why = f"{NO_CAPACITY}no worker of group {' or '.join(w.groups)} joined within {w.bound:g} s: {line}"

@@ -45,6 +45,8 @@ class Queueing:
 
         if self.queue and admission.request.gpus > 0 and self._model_limit(admission) is None:
             state = self._register(admission)
+            if waits_for_capacity(admission.workers):  # its flow's log gets what it waited for, in Slurm's words
+                done = self._with_capacity_lines(state.key, admission.task_name, done)
             state.call_key = call_key
             self._enter_queue(state, lambda placement: self._spawn(
                 self._run_placed, state, placement, body, admitter, done))
@@ -53,6 +55,15 @@ class Queueing:
             return state.key
         self._spawn(self._run_blocking, admission, body, admitter, done)
         return ""
+
+    def _with_capacity_lines(self, key: str, task: str,
+                             done: Callable[[Reply, bytes], None]) -> Callable[[Reply, bytes], None]:
+        def said_first(reply: Reply, out: bytes) -> None:
+            lines = [(logging.WARNING, f"AI task {task} waited for capacity: {line}")
+                     for line in self.capacity_said(key)]  # type: ignore[attr-defined]
+            done(reply.model_copy(update={"logs": [*lines, *reply.logs]}) if lines else reply, out)
+
+        return said_first
 
     def has_call(self, call_key: str) -> bool:
         """Whether this replica still follows the call (queued or running): a flow may re-attach to it."""
