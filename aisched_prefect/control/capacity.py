@@ -79,7 +79,10 @@ class CapacityWaits:
         return read_capacity(self.client)  # type: ignore[attr-defined]
 
     def with_capacity(self, inventories: dict[str, WorkerInventory]) -> dict[str, WorkerInventory]:
-        """The joined workers' inventories and one stand-in per job the scaler's groups may start."""
+        """The joined workers' inventories and one stand-in per job the scaler's groups may start (with the cluster's
+        queue on: only the queue gives a run to a worker that joins after its admission)."""
+        if not getattr(self, "queue", True):
+            return inventories
         cap = self.capacity()
         return {**inventories, **(cap.inventories() if cap is not None else {})}
 
