@@ -22,10 +22,9 @@ import pytest
 from dask_gpu import GPURequest
 from dask_gpu.bodycode import code_digest
 from dask_gpu.isolation import IsolationError, IsolationSettings, plan_for
-from dask_gpu.isolation.network import for_body
 from dask_gpu.sandbox import Body, run_ticketed
 from dask_gpu.tickets import TicketSigner, digest
-from tests.clusterprocs import BIN, ClusterProcs
+from tests.clusterprocs import ClusterProcs
 from tests.helpers import wait_until
 from tests.test_isolation import _require_isolation
 
@@ -140,10 +139,10 @@ listener, intruder, prober, meet = _bodies()
 
 
 def _require_pasta() -> None:
-    from dask_gpu.isolation.network import unavailable
+    import shutil
 
     _require_isolation()
-    why = unavailable("pasta", IsolationSettings().pasta)
+    why = None if shutil.which("pasta") else "pasta is not installed (Debian: apt-get install passt)"
     if why:
         import os
 
@@ -168,9 +167,10 @@ def cluster(tmp_path_factory):
     try:
         procs.start_scheduler()
         procs.start_worker("iso", "2 GPUs, 24 GB, L4", nthreads=4)
-        procs._spawn("quiet", [str(BIN / "dask-gpu-worker"), procs.address, "--tls-dir", str(procs.tls),
-                               "--trust-key", procs.key, "--declared", "1 GPU, 24 GB, L4", "--name", "quiet",
-                               "--nthreads", "2", "--host", "127.0.0.1", "--no-dashboard", "--network", "none"])
+        shared_env = procs.env
+        procs.env = {**shared_env, "DASK_DASK_GPU__ISOLATION__NETWORK": "none"}  # the dask.config way
+        procs.start_worker("quiet", "1 GPU, 24 GB, L4")
+        procs.env = shared_env
         procs.wait_for_workers(2)
         yield procs
     finally:
@@ -207,7 +207,6 @@ def test_a_tenants_body_cannot_reach_another_tenants_abstract_socket_or_loopback
     name = f"aisched-b-{time.monotonic_ns()}"
     with cluster.client() as client:
         views = {v.name: v for v in cluster_view(client)}
-        assert "network namespace of its own (outbound through pasta" in views["iso"].isolation_detail
         address = worker_addresses(client)["iso"]
         local = client.run(lambda dask_worker: dask_worker.local_directory, workers=[address])[address]
         b = submit(client, signer, "team-b", listener, name)
@@ -223,6 +222,7 @@ def test_a_tenants_body_cannot_reach_another_tenants_abstract_socket_or_loopback
     assert seen["listed"] is False, seen  # not even in A's /proc/net/unix
     assert seen["unix"] == errno.ECONNREFUSED and seen["tcp"] == errno.ECONNREFUSED, seen
     assert heard["got"] == [], heard  # nothing of A's reached B
+    assert "network namespace of its own (outbound through pasta" in views["iso"].isolation_detail
 
 
 def _gateway() -> str | None:
@@ -293,6 +293,13 @@ def test_a_two_member_gang_meets_across_isolated_workers(cluster, signer):
 
 
 def test_the_network_a_body_gets_and_a_worker_that_cannot_give_it():
+    import dask
+
+    from dask_gpu.isolation import settings_from_config
+    from dask_gpu.isolation.network import for_body
+
+    with dask.config.set({"dask-gpu.isolation.network": None}):  # what DASK_DASK_GPU__ISOLATION__NETWORK=none reads as
+        assert settings_from_config().network == "none"
     assert for_body("pasta", 1) == "pasta" and for_body("none", 1) == "none"
     assert for_body("pasta", 2) == "host"  # a multi-host gang's member: NCCL's own ports between its members
     with pytest.raises(ValueError, match="network"):

@@ -144,6 +144,8 @@ def settings_from_config() -> IsolationSettings:
 
     raw = dask.config.get(CONFIG_KEY, default={}) or {}
     values = {str(k).replace("-", "_"): v for k, v in dict(raw).items() if v is not None}
+    if "network" in dict(raw) and dict(raw)["network"] is None:  # dask reads the environment's `none` as None
+        values["network"] = "none"
     strings = ("tenant", "bwrap", "device_nodes", "bodies_dir", "uid_locks", "network", "pasta", "netns_dir")
     for key in strings:  # the environment's "123" reads as a number
         if key in values:
