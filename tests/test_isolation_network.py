@@ -36,8 +36,9 @@ def _bodies():
     """Pickled by value (defined in a function), so a body's process need not import this test module."""
 
     def listener(name: str) -> dict:
-        """Listens on an abstract unix socket and a loopback TCP port, says where (a file in its home), and
-        returns what anybody sent to either until `release` appears in its home."""
+        """Listens on an abstract unix socket and on its rendezvous (MASTER_ADDR:MASTER_PORT, 127.0.0.1 for a run on
+        one host, as torchrun's store would), says where (a file in its home), and returns what anybody sent to
+        either until `release` appears in its home."""
         import json
         import os
         import socket
@@ -47,7 +48,7 @@ def _bodies():
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unix.bind("\0" + name)
         unix.listen(4)
-        tcp = socket.create_server(("127.0.0.1", 0))
+        tcp = socket.create_server((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))  # its rendezvous
         for s in (unix, tcp):
             s.settimeout(0.05)
         with open(os.path.join(home, "listening.tmp"), "w") as f:
