@@ -48,6 +48,7 @@ class BodyProcess:
     idle_since: float | None = None  # monotonic; None while a run goes on
     cgroup: Any = None  # its cgroup (dask_gpu.isolation.cgroups), where the worker has one
     workdir: str = ""  # its working directory on the worker's host (an isolated body's), removed as it ends
+    network: Any = None  # the pasta serving its network namespace (dask_gpu.isolation.network), released as it ends
     ended: str | None = None
 
     def idle_for(self, now: float | None = None) -> float:

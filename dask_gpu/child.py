@@ -217,7 +217,8 @@ def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, im
 def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], plan: dict[str, Any]) -> int:
     """In the zygote's fresh child (root, inside the tenant's sandbox): give the body a PID namespace of its own.
 
-    This process makes the body's working directory, forks the body as PID 1 of a new PID namespace, tells the
+    This process makes the body's working directory and network namespace (unless the worker said `host`: a
+    multi-host gang's member), forks the body as PID 1 of a new PID namespace, tells the
     worker the body's pid (as the worker sees it), waits for it and removes its working directory. The body sets
     up its mounts, drops to its UID, clears its environment and imports the flow's own modules (`late`), then
     runs as any body does.
@@ -231,6 +232,10 @@ def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], p
     workdir = os.path.join(filesystem.BODIES, str(header["workdir"]))
     os.mkdir(workdir, 0o700)
     os.chown(workdir, uid, uid)
+    if header.get("network", "host") != "host":  # its own loopback: nobody's abstract sockets or listeners but its own
+        from dask_gpu.isolation import network
+
+        network.enter_own()
     filesystem.unshare(filesystem.CLONE_NEWPID)
     pid = os.fork()
     if pid == 0:

@@ -144,6 +144,8 @@ class GPUWorkerPlugin(WorkerPlugin):
         """What of a body is left once it was killed: every process in its cgroup, its working directory (iterative,
         never following a link: a 3,000-deep tree goes too); then its UID may be leased again."""
         try:
+            if body.network is not None:  # its namespace released: its pasta exits
+                body.network.close()
             if body.cgroup is not None:
                 body.cgroup.remove()  # kills what is left in it first
             if body.workdir:
@@ -250,6 +252,10 @@ class GPUWorkerPlugin(WorkerPlugin):
                                                                  [d.index for d in self.inventory.devices]),
             bodies_dir=bodies)
         self._uids = identity.UidPool(*settings.body_uids, locks=settings.uid_locks)
+        if settings.network == "pasta":  # what a killed worker left: its bodies' namespaces, held for their pasta
+            from dask_gpu.isolation.network import sweep_stale
+
+            sweep_stale(settings.netns_dir)
 
     def _decide_cgroups(self) -> None:
         self._cgroups = cgroups_unavailable(self.isolation)

@@ -42,6 +42,7 @@ from dask_gpu.execute import DEVICE_WAIT_SECONDS, DeviceRun, gpu_env, hold_devic
 from dask_gpu.plugin import PLUGIN_NAME, WARM_HOLD, GPUWorkerPlugin
 from dask_gpu.errors import DaskGPUError, DeviceUnavailable
 from dask_gpu.gang import free_port, members_env
+from dask_gpu.isolation import network
 from dask_gpu.results import ResultRef
 from dask_gpu.tickets import MEET_OP, PLACED_TOPIC, REDEEM_OP, Ticket, TicketRejected, digest, verify_signature
 from dask_gpu.framing import recv_msg, send_msg, wait_readable
@@ -235,8 +236,12 @@ def _peak_mb(proc: BodyProcess) -> float | None:
 
 def _start_body(worker: Any, plugin: GPUWorkerPlugin, ticket: Ticket, body: Body, request: Any, key: str) -> BodyProcess:
     """A fresh body for this run: forked by its tenant's zygote (after its modules are imported, once per worker)
-    before its devices are held, so neither the wait for devices nor the zygote's imports count as GPU time."""
+    before its devices are held, so neither the wait for devices nor the zygote's imports count as GPU time. On an
+    isolated worker it has a network namespace of its own, served by pasta where outbound is configured."""
     identity, uid = plugin.run_identity(ticket.tenant, request.gpus)
+    settings = plugin.isolation.settings if plugin.isolation is not None else None
+    if identity and settings is not None:  # its own network namespace, unless a multi-host gang's member
+        identity["network"] = network.for_body(settings.network, ticket.hosts)
     try:
         sock = plugin.zygote_for(ticket.tenant).connect(body.modules, identity)
     except BaseException:
@@ -254,6 +259,8 @@ def _start_body(worker: Any, plugin: GPUWorkerPlugin, ticket: Ticket, body: Body
                        workdir=plugin.workdir_of(identity))
     plugin.bodies.add(proc)
     try:
+        if settings is not None and identity.get("network") == "pasta":  # outbound ready before it reads its run
+            proc.network = network.attach(proc.pid, proc.id, settings.netns_dir, settings.pasta)
         if request.gpus:
             proc.devices = plugin.allocator.acquire(key, request, timeout=DEVICE_WAIT_SECONDS, devices=body.devices)
             proc.hold = key

@@ -20,6 +20,8 @@ The tenant boundary (dask_gpu.isolation; dask config `dask-gpu.isolation.*`):
     --tenant NAME                                  serve this tenant's bodies only (required where the
                                                    worker does not isolate: it refuses to start without it)
     --device-nodes DIR                             where this host's nvidia* device nodes are (default /dev)
+    --network pasta|none|host                      each isolated body's own network namespace: outbound through
+                                                   pasta (default), none (loopback only), or the host's namespace
     --tenant-path TENANT=PATH[:ro][,PATH...]       host paths TENANT's bodies may reach (isolated: bound into its
                                                    sandbox at the same path; once per tenant)
     --tenant-group TENANT=GID                      the group TENANT's bodies run with (isolated: the group that
@@ -78,7 +80,7 @@ def tls_files(directory: str, party: str, prog: str) -> dict[str, str]:
 ISOLATION_FLAGS = {"--isolation": ("mode", "isolated"), "--tenant": ("tenant", "team-a"),
                    "--body-uids": ("body_uids", "20000-20999"), "--device-nodes": ("device_nodes", "/dev"),
                    "--tenant-path": ("tenant_paths", "team-a=/srv/data/team-a"),
-                   "--tenant-group": ("tenant_groups", "team-a=3001")}
+                   "--tenant-group": ("tenant_groups", "team-a=3001"), "--network": ("network", "none")}
 REPEATED = ("tenant_paths", "tenant_groups")  # given once per tenant: joined with ';'
 
 
@@ -140,6 +142,8 @@ dask-gpu-worker's own options (before Dask's, which follow):
   --tenant NAME                   serve this tenant's bodies only (required where the worker does not isolate)
   --body-uids FIRST-LAST          the UIDs isolated bodies run under (default 20000-20999)
   --device-nodes DIR              where this host's nvidia* device nodes are (default /dev)
+  --network pasta|none|host       an isolated body's network: its own namespace with outbound through pasta
+                                  (default), its own with loopback only, or the host's (one trusted team)
   --tenant-path TENANT=PATH[:ro]  a host path TENANT's bodies may reach; once per tenant
   --tenant-group TENANT=GID       the group TENANT's bodies run with (its shared storage's); once per tenant
 Inside a Slurm job: only the job's GPUs (SLURM_JOB_GPUS), their GRES type and the job id are advertised, and

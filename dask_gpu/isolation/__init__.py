@@ -18,7 +18,9 @@ nodes). `plan_for` decides, once at the worker's start, in which mode it runs:
   as in plain Dask. For one trusted team, or a test cluster; it is logged and advertised as such.
 
 Settings come from dask.config (`dask-gpu.isolation.*`, so `DASK_DASK_GPU__ISOLATION__MODE=...` in the
-environment) and `dask-gpu-worker`'s flags (`--isolation`, `--tenant`, `--body-uids`, `--device-nodes`).
+environment) and `dask-gpu-worker`'s flags (`--isolation`, `--tenant`, `--body-uids`, `--device-nodes`, `--network`).
+`network` (dask_gpu.isolation.network): each isolated body's own network namespace, outbound through pasta (default),
+none, or the host's.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class IsolationSettings(BaseModel):
     body_memory_gb: float | None = Field(default=None, gt=0)  # each body's memory bound (None: its GPU share of
     # the host's memory, as Slurm's DefMemPerGPU)
     body_pids: int = Field(default=4096, ge=16)  # most processes and threads one body may have at once
+    network: Literal["pasta", "none", "host"] = "pasta"  # each body's own network namespace, with outbound through
+    # pasta, none (loopback only), or the host's namespace (dask_gpu.isolation.network)
+    pasta: str = "/usr/bin/pasta"
+    netns_dir: str = "/run/dask-gpu/netns"  # where this host's workers hold their bodies' namespaces for pasta
 
     @field_validator("body_uids", mode="before")
     @classmethod
@@ -138,7 +144,10 @@ def settings_from_config() -> IsolationSettings:
 
     raw = dask.config.get(CONFIG_KEY, default={}) or {}
     values = {str(k).replace("-", "_"): v for k, v in dict(raw).items() if v is not None}
-    for key in ("tenant", "bwrap", "device_nodes", "bodies_dir", "uid_locks"):  # the environment's "123" reads as a number
+    if "network" in dict(raw) and dict(raw)["network"] is None:  # dask reads the environment's `none` as None
+        values["network"] = "none"
+    strings = ("tenant", "bwrap", "device_nodes", "bodies_dir", "uid_locks", "network", "pasta", "netns_dir")
+    for key in strings:  # the environment's "123" reads as a number
         if key in values:
             values[key] = str(values[key])
     try:
@@ -147,7 +156,7 @@ def settings_from_config() -> IsolationSettings:
         what = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
                          for e in exc.errors())
         raise IsolationError(f"dask config {CONFIG_KEY} is malformed: {what}. Fix: see `dask-gpu-worker --help` "
-                             "(--isolation, --tenant, --body-uids, --device-nodes)") from None
+                             "(--isolation, --tenant, --body-uids, --device-nodes, --network)") from None
 
 
 def can_isolate(settings: IsolationSettings) -> str | None:
@@ -190,8 +199,10 @@ class IsolationPlan(BaseModel):
         if self.mode == "isolated":
             first, last = self.settings.body_uids
             only = f", for tenant {self.settings.tenant} only" if self.settings.tenant else ""
+            from dask_gpu.isolation.network import describe
+
             return (f"isolated: each body runs under its own UID ({first}-{last}), in its own PID and mount "
-                    f"namespaces, one zygote per tenant{only}")
+                    f"namespaces, with {describe(self.settings.network)}, one zygote per tenant{only}")
         if self.mode == "shared":
             return "shared: bodies of every tenant run as the worker's own user (the operator chose --isolation shared)"
         tenant = self.settings.tenant
@@ -208,6 +219,13 @@ def plan_for(settings: IsolationSettings | None = None) -> IsolationPlan:
     if settings.mode == "auto" and slurm_job_why():
         why = slurm_job_why()
     if why is None:
+        from dask_gpu.isolation.network import unavailable
+
+        lacking = unavailable(settings.network, settings.pasta)
+        if lacking:  # never a silent fall back to the host's network: that is what bodies must not share
+            raise IsolationError(f"dask-gpu.isolation.network {settings.network}: {lacking}. Fix: install it, or "
+                                 "choose --network none (each body's own loopback, no outbound) or --network host "
+                                 "(bodies share the host's network namespace: one trusted team)")
         return IsolationPlan(mode="isolated", settings=settings)
     if settings.mode == "isolated":
         raise IsolationError(f"--isolation isolated: {why}. Fix: run the worker as root with bubblewrap installed, "

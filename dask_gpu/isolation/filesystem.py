@@ -45,8 +45,10 @@ ETC_FILES = ("resolv.conf", "hosts", "nsswitch.conf", "passwd", "group", "ld.so.
              "ssl", "ca-certificates", "localtime", "alternatives", "os-release", "gai.conf", "host.conf", "protocols",
              "services", "mime.types")
 # What the zygote keeps inside its sandbox (bwrap drops the rest of root's): forking bodies into namespaces of their
-# own, making their directories, dropping them to their UIDs, cleaning up after them.
-ZYGOTE_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE", "CAP_KILL")
+# own, making their directories, dropping them to their UIDs, cleaning up after them; CAP_NET_ADMIN brings up the
+# loopback of each body's own network namespace (dask_gpu.isolation.network).
+ZYGOTE_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE", "CAP_KILL",
+               "CAP_NET_ADMIN")
 
 CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
