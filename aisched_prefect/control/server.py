@@ -51,6 +51,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
     plane = ControlPlane(config, dask_address=dask_address, declared=declared, queue=queue, base_url=base_url,
                          checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
                          dask_tls=Path(dask_tls) if dask_tls else None)
+    plane.listen_host = host  # /metrics is open to loopback scrapes only where the plane listens on loopback alone
     info: dict[str, Any] = {"url": listen_url, "public_url": base_url, "public_key": plane.public_key, "ledger": plane.ledger.url,
                             "dask": plane.client.scheduler.address}
     global _STOP_LEVEL
