@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from prefect.context import FlowRunContext
 
 from aisched_prefect import ai_task
 from tests.helpers import tenant, wait_until
+from tests.test_metrics_rules import needs
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -95,8 +95,9 @@ scrape_configs:
         self.log.close()
 
 
-@pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is not installed (.ci/run installs it)")
+@needs(PROMETHEUS, "prometheus")
 def test_a_real_prometheus_sees_a_maps_admissions_and_its_queue_depth_fall_to_zero(control_plane, tmp_path):
+    assert PROMETHEUS, "prometheus is not installed: apt-get install prometheus"
     t = tenant(control_plane)
     name = t.principal.split("/")[0]
     prom = Prometheus(tmp_path, control_plane.url)
@@ -141,8 +142,9 @@ def test_a_real_prometheus_sees_a_maps_admissions_and_its_queue_depth_fall_to_ze
         prom.stop()
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian's prometheus package) is not installed")
+@needs(PROMTOOL, "promtool")
 def test_the_metrics_follow_prometheus_naming_conventions(control_plane):
+    assert PROMTOOL, "promtool is not installed: apt-get install prometheus"
     for path in ("/metrics", "/metrics/queue"):
         text = httpx.get(f"{control_plane.url}{path}", timeout=30).text
         done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
