@@ -174,3 +174,11 @@ def test_the_control_plane_refuses_a_port_in_use_in_one_line(tmp_path):
                               timeout=120, env={**os.environ, "AISCHED_HOME": str(tmp_path)})
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Fix: " in done.stderr
+
+
+def test_the_walk_through_exports_prefect_api_url_before_it_starts_the_server():
+    """The server's UI calls the API PREFECT_API_URL names when it starts: exported after, a UI on another port
+    would call 127.0.0.1:4200, which on a shared host can be someone else's server."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "how-to" / "gpu-cluster.md").read_text()
+    exported = page.index("export PREFECT_API_URL=")
+    assert exported < page.index("prefect server start")
