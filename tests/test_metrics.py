@@ -26,6 +26,7 @@ from tests.test_metrics_rules import needs
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "aisched-rules.yml"
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "aisched-dashboard.json"
 
 
 @ai_task(gpus=1, kind="inference", est_seconds=5)
@@ -128,6 +129,15 @@ def test_a_real_prometheus_sees_a_maps_admissions_and_its_queue_depth_fall_to_ze
         assert prom.value('aisched_scheduler_up') == 1
         rules = httpx.get(f"{prom.url}/api/v1/rules", timeout=30).json()["data"]["groups"]
         assert {r["name"] for g in rules for r in g["rules"]} >= {"AISchedPlaneDown", "AISchedBudgetAt80Percent"}
+
+        # Every figure of the dashboard in the docs is a query this Prometheus answers, most with data already.
+        import json
+
+        answered = 0
+        for panel in json.loads(DASHBOARD.read_text())["panels"]:
+            for target in panel["targets"]:
+                answered += bool(prom.query(target["expr"]))  # a query Prometheus refuses fails in `query`
+        assert answered >= 10, answered
 
         # No metric carries a task key, a run id, an argument or a token.
         text = httpx.get(f"{control_plane.url}/metrics", timeout=30).text + \
