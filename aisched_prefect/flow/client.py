@@ -140,8 +140,10 @@ class ControlPlaneClient:
         if not first:
             return self.get("/v1/whoami")
         try:
+            # Unreachable (refused, no route, no answer to connect) is said within seconds; a plane that accepted
+            # the connection is up, and on a loaded host may take a while to answer.
             return self.get("/v1/whoami", retry_seconds=FIRST_CONTACT_SECONDS,
-                            timeout=httpx.Timeout(FIRST_CONTACT_SECONDS * 2, connect=FIRST_CONTACT_SECONDS))
+                            timeout=httpx.Timeout(60.0, connect=FIRST_CONTACT_SECONDS))
         except httpx.TimeoutException as exc:
             raise ControlPlaneUnavailable(
                 f"no control plane answered at {', '.join(self.urls)} ({type(exc).__name__}: it took longer than "
