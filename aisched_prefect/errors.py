@@ -21,7 +21,13 @@ class InvalidAIRequest(AISchedError, ValueError):
     """An @ai_task declared a request that cannot be valid."""
 
 
-class NoAdmissionContext(AISchedError):
+class SetupError(AISchedError):
+    """The flow could not start working with its control plane: a missing or refused credential, a plane that does
+    not answer, a task run outside its runner. Its message names the fix; a script ends on it in one line (the
+    traceback with AISCHED_TRACEBACK=1: aisched_prefect/logs.py)."""
+
+
+class NoAdmissionContext(SetupError):
     """An AI task ran outside a flow whose task runner is AISchedTaskRunner."""
 
 
@@ -33,8 +39,16 @@ class AdmissionDenied(AISchedError):
         super().__init__(f"denied at {stage}: {reason}. Fix: {fix}")
 
 
-class ConfigurationError(AISchedError, ValueError):
+class ConfigurationError(SetupError, ValueError):
     """The runner was configured with something it cannot use."""
+
+
+class UnshippableCode(SetupError, InvalidAIRequest):
+    """An AI task's code cannot travel to a GPU worker (a `__main__` task carrying a lock, a client, an open file)."""
+
+
+class CredentialRefused(SetupError):
+    """The control plane refused the flow's credential (unknown, revoked, expired, or of another role)."""
 
 
 class InvalidConfig(AISchedError, ValueError):

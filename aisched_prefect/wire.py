@@ -75,6 +75,7 @@ class ApprovalView(BaseModel):
     deadline: float
     timeout_seconds: int
     approvals_required: int = 1
+    approvers: list[str] = []  # who may approve it (approvers whose grants cover it, the requester excluded), as filed
     require_signature: bool = False
     parameters: dict[str, str] = {}
     approved_by: list[str] = []

@@ -26,3 +26,23 @@ def time_left(deadline: float, now: float | None = None) -> str:
     when = at.strftime("%H:%M:%S UTC") if at.date() == datetime.fromtimestamp(now, timezone.utc).date() \
         else at.strftime("%Y-%m-%d %H:%M:%S UTC")
     return f"until {when} (in {duration_in_words(deadline - now)})"
+
+
+def who_may_approve(approvers: list[str], longest: int = 6) -> str:
+    """Who may answer a request for approval, as the console line, the page and the form name them.
+
+    >>> who_may_approve(["alice", "bob"])
+    'alice or bob'
+    >>> who_may_approve(["a", "b", "c", "d", "e", "f", "g", "h"])
+    'one of a, b, c, d, e, f and 2 more (aisched approvals list shows the request to each)'
+    >>> who_may_approve([])
+    "nobody yet: no approver's grant covers this run (an operator grants one with can_approve)"
+    """
+    if not approvers:
+        return "nobody yet: no approver's grant covers this run (an operator grants one with can_approve)"
+    if len(approvers) == 1:
+        return approvers[0]
+    if len(approvers) <= longest:
+        return ", ".join(approvers[:-1]) + f" or {approvers[-1]}"
+    return (f"one of {', '.join(approvers[:longest])} and {len(approvers) - longest} more (aisched approvals list "
+            "shows the request to each)")

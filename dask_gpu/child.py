@@ -134,6 +134,9 @@ def _name_unreached_path(out: dict[str, Any], data: list[str], tenant: str) -> N
                             "dask-gpu.isolation.tenant-paths), or pass the data on a path already given)")
 
 
+from dask_gpu.limit_names import name_the_limit  # noqa: E402 - imports nothing that holds a key
+
+
 def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes, capture: _Capture) -> tuple[dict[str, Any], bytes]:
     """One run in this body: its environment and devices, its code (loaded once per body), its result."""
     import cloudpickle
@@ -159,6 +162,7 @@ def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes, capture: _
         out["error_text"] = traceback.format_exc()
         out["error_type"] = f"{type(exc).__module__}.{type(exc).__qualname__}"
         out["error_message"] = str(exc)
+        exc = name_the_limit(out, exc)  # a fork bomb's EAGAIN says "PIDs", not "Resource temporarily unavailable"
         try:
             blob = cloudpickle.dumps(exc)
         except Exception:

@@ -54,6 +54,7 @@ from dask_gpu.bodies import COLD_STREAM_OP
 from dask_gpu.queue_devices import UNITS, Device, DevicePlacement, Spec
 from dask_gpu.queue_books import REQUEUE_SECONDS, PolicyBooks, run_shape  # noqa: F401 - REQUEUE_SECONDS: where callers look
 from dask_gpu.queue_membership import Membership
+from dask_gpu.queue_metrics import QueueMeter, snapshot
 from dask_gpu.queue_stream import PLACED_STREAM_OP, QueueStream  # noqa: F401 - PLACED_STREAM_OP: where callers look
 from dask_gpu.policies.config import PolicyConfig
 from dask_gpu.policies.interface import ClusterState, Job, Policy, Running
@@ -98,6 +99,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
         self.requeue: dict[int, tuple[float, str, tuple, Job]] = {}  # preempted runs: (when, client, shape, job),
         # until their client enters them again (they keep their id and first submit) or `REQUEUE_SECONDS` pass
         self._dispatch_pending = False
+        self.meter = QueueMeter()  # wait times as runs start (queue_metrics.py); the rest is read when scraped
         self._warm_init()
 
     async def start(self, scheduler: Any) -> None:
@@ -106,6 +108,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
         scheduler.handlers["gpu_queue_place"] = self.place
         scheduler.handlers["gpu_queue_leave"] = self.leave
         scheduler.handlers["gpu_queue_status"] = self.status
+        scheduler.handlers["gpu_queue_metrics"] = self.metrics
         if hasattr(scheduler, "stream_handlers"):
             scheduler.stream_handlers[LEAVE_STREAM_OP] = self._leave_stream
             scheduler.stream_handlers[ENTER_STREAM_OP] = self._enter_stream
@@ -283,6 +286,10 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
             ]
         return out
 
+    def metrics(self) -> dict[str, Any]:
+        """The queue's figures for Prometheus (queue_metrics.py): tenants, counts and times, never a task key."""
+        return snapshot(self)
+
     def set_weights(self, weights: dict[str, float]) -> None:
         """Tenant weights for a weighted policy (the ClusterBlock's, as the latest flow run to start read them)."""
         if hasattr(self.policy, "weights"):
@@ -304,6 +311,8 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
             self.state.running.remove(run)
 
     def _answer(self, jid: int, worker: dict[str, Any] | None) -> None:
+        if worker is not None:
+            self.meter.started(self, jid, worker)
         fut = self.answers.get(jid)
         if fut is not None and not fut.done():
             estimates = getattr(self.policy, "estimates", None)  # what it was planned on goes to its evidence

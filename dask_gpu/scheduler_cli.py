@@ -149,6 +149,13 @@ def main(argv: list[str] | None = None) -> None:
         dask.config.set({ROUTES_KEY: list(HEALTH_ONLY)})  # whatever a dask config file says: this is the scheduler
         print(f"{prog}: HTTP on {address}: /health only (--dashboard for Dask's dashboard and routes, on loopback)",
               file=sys.stderr, flush=True)
+    from dask_gpu.ports import taken_scheduler_port
+
+    taken = taken_scheduler_port(args)
+    if taken is not None:
+        sys.exit(f"{prog}: {taken} is in use (another scheduler, or another program, listens there). Fix: stop it, "
+                 "or choose free ports (--port N, --dashboard-address 127.0.0.1:M) and give workers and the control "
+                 "plane the new address")
     from distributed.cli.dask_scheduler import main as dask_scheduler
 
     dask_scheduler.main(args=[*args, "--dashboard" if dashboard else "--no-dashboard", "--preload", PRELOAD],

@@ -160,7 +160,8 @@ def flow_args(flow_obj: Any, argv: list[str] | None = None) -> dict[str, Any]:
 
     fn = flow_obj.fn
     hints = typing.get_type_hints(fn)
-    cli = argparse.ArgumentParser(prog=f"python -m {fn.__module__}", description=(fn.__doc__ or "").split("\n")[0])
+    cli = argparse.ArgumentParser(prog=f"python -m {fn.__module__}", description=(fn.__doc__ or "").split("\n")[0],
+                                  allow_abbrev=False)  # --shard is no --shards: a typo is refused, not guessed
     for name, param in inspect.signature(fn).parameters.items():
         kind = hints.get(name, str)
         args = typing.get_args(kind)

@@ -249,7 +249,7 @@ class DemoServer:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("action", choices=["up", "down"])
     p.add_argument("--home", type=Path, default=ROOT / ".aisched")
     p.add_argument("--port", type=int, default=int(os.environ.get("AISCHED_DEMO_PORT", "4200")))

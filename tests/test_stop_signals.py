@@ -18,6 +18,9 @@ def test_a_signal_is_noted_then_handed_to_the_handler_it_replaced_which_comes_ba
     noted: list[str] = []
     handed: list[int] = []
     before = signal.signal(signal.SIGTERM, lambda signum, frame: handed.append(signum))
+    # Python's own Ctrl-C handler is what StopSignals replaces in a script; another test of this worker may have left
+    # a handler of its own on SIGINT (one that does not raise), so the test installs Python's, and puts back after.
+    before_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with StopSignals(noted.append):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -33,6 +36,7 @@ def test_a_signal_is_noted_then_handed_to_the_handler_it_replaced_which_comes_ba
         assert len(noted) == 2  # not noted once exited
     finally:
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGINT, before_int)
 
 
 def test_outside_the_main_thread_nothing_is_installed():

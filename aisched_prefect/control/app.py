@@ -29,6 +29,7 @@ from aisched_prefect.control.approval_words import budget_left
 from aisched_prefect.control.credentials import Unauthorized
 from aisched_prefect.control.http_bounds import SESSION_MAX, SESSION_MIN, WAIT_MAX_SECONDS, BodyLimit, invalid_parameters
 from aisched_prefect.control.identity import Credential
+from aisched_prefect.control.metrics_http import add_metrics_routes
 from aisched_prefect.control.service import ControlPlane
 from aisched_prefect.errors import AISchedError, InvalidAIRequest, LedgerUnavailable
 from aisched_prefect.ledger.engine import database_errors, described, retryable
@@ -549,4 +550,5 @@ def build_app(plane: ControlPlane) -> FastAPI:
         plane.credentials.authenticate(_token(request), "operator")
         return await run(plane.reports.checkpoint)
 
+    add_metrics_routes(app, plane, run)  # /metrics and /metrics/queue for Prometheus (metrics_http.py)
     return app

@@ -13,7 +13,7 @@ import os
 from typing import Any
 from urllib.parse import quote
 
-from aisched_prefect.control.approval_words import duration_in_words, gpus_in_words, time_left
+from aisched_prefect.control.approval_words import duration_in_words, gpus_in_words, time_left, who_may_approve
 
 _STYLE = ("body{font:15px/1.45 system-ui,sans-serif;max-width:46rem;margin:2rem auto;padding:0 1rem;color:#1d2430}"
           "h1{font-size:1.45rem}h2{font-size:1.1rem}table{border-collapse:collapse;width:100%;margin:1rem 0}"
@@ -93,7 +93,7 @@ def approval_page(view: dict[str, Any], left: str = "", others: list[dict[str, A
             ("estimated cost", esc(f"{view['est_cost']:.4f} {view['currency']}")),
             ("budget left after the hold", esc(left or "-")), ("principal", esc(view["principal"])),
             ("grant chain", esc(" -> ".join(view["chain"]))), ("request", esc(_request(view))),
-            ("rule", esc(str(view["rule"]))),
+            ("rule", esc(str(view["rule"]))), ("who may approve", esc(who_may_approve(view.get("approvers") or []))),
             ("approvals needed", esc((f"{view['approvals_required']} different approvers" if view["approvals_required"] > 1
                                       else "1") + (", signed only" if view["require_signature"] else ""))),
             ("approved by", esc(", ".join(view["approved_by"]) or "nobody yet"))]

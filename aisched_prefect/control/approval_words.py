@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from aisched_prefect.wire import ApprovalView
-from aisched_prefect.words import duration_in_words, time_left  # noqa: F401 - approval_page and the CLI import them here
+from aisched_prefect.words import duration_in_words, time_left, who_may_approve  # noqa: F401 - approval_page and the CLI import them here
 
 SHORT_ID = 8  # `aisched approvals list` shows this many characters of an id; any unique prefix this long resolves
 
@@ -66,7 +66,7 @@ def describe(v: ApprovalView, left: str = "") -> str:
             f"- principal: `{v.principal}`, grant chain `{' -> '.join(v.chain)}`\n"
             f"- request: {req}\n"
             f"- estimated cost: {v.est_cost:.4f} {v.currency}" + (f" (budget left after the hold: {left})" if left else "")
-            + f"\n- asked by rule: `{v.rule}`\n{quorum}{signed}"
+            + f"\n- asked by rule: `{v.rule}`\n- who may approve: {who_may_approve(v.approvers)}\n{quorum}{signed}"
             f"- open {time_left(v.deadline)}: no answer by then denies the run\n"
             f"- approval digest: `{v.digest[:16]}`\n\n"
             f"**Answer on the control plane's page: [{v.url}]({v.url})** (open the one-time link you were sent, or "

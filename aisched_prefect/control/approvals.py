@@ -118,7 +118,8 @@ class ApprovalBook:
             currency=currency, request=admission.request.model_dump(mode="json"), chain=admission.chain,
             deadline=time.time() + timeout, timeout_seconds=timeout,
             approvals_required=payload.get("approvals_required", 1),
-            require_signature=payload.get("require_signature", False), parameters=payload.get("parameters") or {})
+            require_signature=payload.get("require_signature", False), parameters=payload.get("parameters") or {},
+            approvers=self._who_may_approve(admission))
         view = view.model_copy(update={"url": f"{self.base_url}/approve/{view.id}"})
         view = view.model_copy(update={"describe": describe(view, budget_left(admission.holds, currency))})
         with self.ledger.engine.begin() as conn:
@@ -153,6 +154,14 @@ class ApprovalBook:
         return sum(1 for r in self.ledger.records(flow_run_id)
                    if r.kind == "settlement" and r.payload.get("approval_digest") == digest
                    and r.payload.get("outcome") == "completed")
+
+    def _who_may_approve(self, admission: Admission) -> list[str]:
+        """Named on the request (console, page, form); a name that cannot be worked out never stops the asking."""
+        try:
+            return approvers_of(self.state, admission)
+        except Exception:  # noqa: BLE001 - the request is filed either way; the page still checks each answer
+            logger.warning("could not name the approvers of %s", admission.task_run_id, exc_info=True)
+            return []
 
     def approvers(self, approval_id: str) -> list[str]:
         """Everyone who may approve this run now, the requester excluded (approval_proof.approvers_of)."""

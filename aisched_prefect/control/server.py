@@ -45,12 +45,17 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
 
     config = settings()
     _log_to_stderr()
-    sock = _listen(host, port)
+    try:
+        sock = _listen(host, port)
+    except OSError as exc:
+        raise SystemExit(f"aisched serve: cannot listen on {host}:{port} ({exc.strerror or exc}). Fix: stop what "
+                         "listens there, or pass --port with a free port (and give flows the new address)") from None
     listen_url = f"http://{host}:{sock.getsockname()[1]}"
     base_url = (public_url or listen_url).rstrip("/")  # what approval links point people at
     plane = ControlPlane(config, dask_address=dask_address, declared=declared, queue=queue, base_url=base_url,
                          checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
                          dask_tls=Path(dask_tls) if dask_tls else None)
+    plane.listen_host = host  # /metrics is open to loopback scrapes only where the plane listens on loopback alone
     info: dict[str, Any] = {"url": listen_url, "public_url": base_url, "public_key": plane.public_key, "ledger": plane.ledger.url,
                             "dask": plane.client.scheduler.address}
     global _STOP_LEVEL
@@ -167,7 +172,7 @@ def _bootstrap_embedded(plane: Any, spec: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m aisched_prefect.control.server")
+    parser = argparse.ArgumentParser(prog="python -m aisched_prefect.control.server", allow_abbrev=False)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--dask-address", default=None)

@@ -25,7 +25,7 @@ from prefect.exceptions import Pause
 from aisched_prefect.errors import ApprovalWithdrawn
 from aisched_prefect.flow.client import ControlPlaneError
 from aisched_prefect.wire import ApprovalView
-from aisched_prefect.words import time_left
+from aisched_prefect.words import time_left, who_may_approve
 
 logger = logging.getLogger("aisched_prefect")
 OPEN = ("pending", "suspended")
@@ -45,6 +45,8 @@ def say_waiting(view: ApprovalView) -> None:
     """One line in the flow's log (console and Prefect UI) saying who must answer, what, and where: the person who
     started the flow otherwise saw only Prefect's "Pausing flow"."""
     who = (f"{view.approvals_required} approvers" if view.approvals_required > 1 else "an approver")
+    if view.approvers:  # a request filed by an older plane names nobody: the line stays as it was
+        who += f" ({who_may_approve(view.approvers)})"
     signed = ", signed with their key" if view.require_signature else ""
     until = datetime.fromtimestamp(view.deadline, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     run_log().warning("AI task %r waits for %s%s (approval rule %r, %.4f %s held): answer at %s or with `aisched "

@@ -14,17 +14,22 @@ from typing import Any
 
 import httpx
 
-from aisched_prefect.errors import AISchedError, ConfigurationError, InvalidAIRequest, RequestTooLarge
+from aisched_prefect.errors import ConfigurationError, CredentialRefused, InvalidAIRequest, RequestTooLarge, SetupError
 from aisched_prefect.wire import FRAME, ApprovalView, CallMeta, Reply, frame, unframe
 
 logger = logging.getLogger("aisched_prefect")
 
 
-class ControlPlaneUnavailable(AISchedError):
+FIRST_CONTACT_SECONDS = 5.0
+"""How long a flow's first request (who its credential proves) waits for a control plane before it says none answers:
+a plane that is up answers at once, and a user who mistyped an address hears it in seconds, not minutes."""
+
+
+class ControlPlaneUnavailable(SetupError):
     """No replica of the control plane answered."""
 
 
-class ControlPlaneError(AISchedError):
+class ControlPlaneError(SetupError):
     """The control plane refused a request; the message says what to fix."""
 
     def __init__(self, status: int, problem: dict[str, Any]) -> None:
@@ -129,5 +134,25 @@ class ControlPlaneClient:
     def approval(self, approval_id: str, wait: float = 0.0) -> ApprovalView:
         return ApprovalView.model_validate(self.get(f"/v1/approvals/{approval_id}", params={"wait": wait}))
 
-    def whoami(self) -> dict[str, Any]:
-        return self.get("/v1/whoami")
+    def whoami(self, first: bool = False) -> dict[str, Any]:
+        """Who the credential proves. `first`: the flow's first contact, so a plane that does not answer is said within
+        `FIRST_CONTACT_SECONDS`, and a refused credential is a `CredentialRefused` naming the setting and the fix."""
+        if not first:
+            return self.get("/v1/whoami")
+        try:
+            # Unreachable (refused, no route, no answer to connect) is said within seconds; a plane that accepted
+            # the connection is up, and on a loaded host may take a while to answer.
+            return self.get("/v1/whoami", retry_seconds=FIRST_CONTACT_SECONDS,
+                            timeout=httpx.Timeout(60.0, connect=FIRST_CONTACT_SECONDS))
+        except httpx.TimeoutException as exc:
+            raise ControlPlaneUnavailable(
+                f"no control plane answered at {', '.join(self.urls)} ({type(exc).__name__}: it took longer than "
+                f"{FIRST_CONTACT_SECONDS:g}s). Fix: start it (`aisched serve`) or correct AISCHED_CONTROL_PLANE") from None
+        except ControlPlaneError as exc:
+            if exc.status not in (401, 403):
+                raise
+            said = str(exc).split(". Fix:", 1)[0].rstrip(".")
+            raise CredentialRefused(
+                f"the control plane at {', '.join(self.urls)} refused the flow's credential (AISCHED_TOKEN): {said}. "
+                "Fix: set AISCHED_TOKEN to a flow credential an operator issued for you (aisched credentials issue "
+                "PRINCIPAL --authority ... --budget ...), or point AISCHED_CONTROL_PLANE at the plane that issued it") from None

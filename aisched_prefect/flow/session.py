@@ -19,10 +19,10 @@ import cloudpickle
 
 from aisched_prefect.approvals import parameters_summary
 from aisched_prefect.flow.approval_wait import PauseDesk
-from aisched_prefect.flow.client import ControlPlaneClient
+from aisched_prefect.flow.client import ControlPlaneClient, ControlPlaneError
 from aisched_prefect.flow.config import RunnerConfig
 from aisched_prefect.flow.embedded import EmbeddedControlPlane
-from aisched_prefect.errors import AdmissionDenied, ConfigurationError, InvalidAIRequest
+from aisched_prefect.errors import AdmissionDenied, ConfigurationError, UnshippableCode
 from aisched_prefect.request import AIRequest
 from aisched_prefect.settings import settings
 from aisched_prefect.flow.stream import ENGINE_SLOT, CallStream, LoopThread
@@ -85,7 +85,7 @@ def pickle_body(fn: Callable[..., Any]) -> tuple[bytes, list[str], str]:
     try:
         data = cloudpickle.dumps(fn)
     except Exception as exc:  # a lock, a client, an open file among what it carries by value
-        raise InvalidAIRequest(
+        raise UnshippableCode(
             f"AI task {getattr(fn, '__qualname__', fn)!r}: its code cannot be sent to a GPU worker "
             f"({type(exc).__name__}: {exc}): defined in a script run as `python FILE` (or in a closure), it is pickled "
             "with the module state it uses. Fix: define it at module level of a module and run the flow with "
@@ -109,6 +109,11 @@ def pickle_body(fn: Callable[..., Any]) -> tuple[bytes, list[str], str]:
     return data, sorted(names)[:16], code_digest(fn)
 
 
+def _ran_nothing(exc: BaseException) -> bool:
+    """The plane's answer for a flow run it has no record of (nothing of it reached the plane)."""
+    return isinstance(exc, ControlPlaneError) and "ran nothing in flow run" in str(exc)
+
+
 class RunnerSession:
     """Open for one flow run: the control plane's client (and the embedded plane, if this run started one)."""
 
@@ -125,11 +130,12 @@ class RunnerSession:
         try:
             if urls:
                 if not token:
-                    raise ConfigurationError("a control plane is configured but no credential: set AISCHED_TOKEN to the "
-                                             "token an operator issued (aisched credentials issue)")
+                    raise ConfigurationError("a control plane is configured (AISCHED_CONTROL_PLANE) but no credential. "
+                                             "Fix: set AISCHED_TOKEN to the token an operator issued for this flow "
+                                             "(aisched credentials issue PRINCIPAL --authority ... --budget ...)")
                 self.client = ControlPlaneClient(urls, token)
                 self.stream = CallStream(urls, token)
-                self.identity = self.client.whoami()
+                self.identity = self.client.whoami(first=True)
                 self._check_identity()
             else:
                 self._start_embedded()
@@ -152,6 +158,13 @@ class RunnerSession:
 
     def _start_embedded(self) -> None:
         cfg = self.config
+        if cfg.credential or settings().token is not None:
+            given = "AISchedTaskRunner(credential=...)" if cfg.credential else "AISCHED_TOKEN"
+            raise ConfigurationError(f"{given} is set but no control plane address (AISCHED_CONTROL_PLANE, or "
+                                     "control_plane=): the runner would start a private embedded plane and ignore the "
+                                     "token. Fix: set AISCHED_CONTROL_PLANE to the URL of the plane that issued it, or "
+                                     + ("drop credential=" if cfg.credential else "unset AISCHED_TOKEN")
+                                     + " to run on an embedded plane")
         if cfg.principal is None or cfg.authority is None or cfg.budget is None:
             raise ConfigurationError("with no control plane configured, the runner starts an embedded one and needs "
                                      "principal=, authority= and budget= (block names); or set AISCHED_CONTROL_PLANE "
@@ -300,10 +313,14 @@ class RunnerSession:
                         key=ARTIFACT_KEY, type="table", data=evidence_rows(records), flow_run_id=UUID(flow_run_id),
                         description="AI task runs admitted, denied and settled by aisched-prefect in this flow run "
                                     "(from the control plane's records)."))
-        except Exception:  # an artifact that cannot be published never fails the flow
+        except Exception as exc:  # an artifact that cannot be published never fails the flow
+            if _ran_nothing(exc):  # every call failed before it reached the plane (its code could not be sent): no news
+                return
             logger.warning("could not publish the evidence artifact", exc_info=True)
         for flow_run_id in sorted(self.flow_run_ids):  # usage and cost: published by the control plane (the ledger's)
             try:
                 self.client.post(f"/v1/flow-runs/{flow_run_id}/usage-artifacts")
             except Exception as exc:
+                if _ran_nothing(exc):
+                    continue
                 logger.error("could not publish the usage report artifacts of flow run %s: %s", flow_run_id, exc)

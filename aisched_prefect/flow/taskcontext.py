@@ -33,8 +33,10 @@ def call_context(fn: Callable[..., Any]) -> tuple[Any, dict[str, Any]]:
     flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
     runner = getattr(flow_ctx, "task_runner", None)
     if flow_ctx is None or task_ctx is None or not isinstance(runner, AdmittingRunner):
+        quiet_expected_outcomes()  # the script ends on this one line, not on Prefect's traceback
         raise NoAdmissionContext(
-            f"AI task {fn.__name__!r} ran without admission: call it inside a flow declared with "
+            f"AI task {fn.__name__!r} ran without admission (outside a flow, or under another task runner, such as "
+            "Prefect's default). Fix: call it inside a flow declared with "
             "@flow(task_runner=AISchedTaskRunner(principal=..., authority=..., budget=...))"
         )
     quiet_expected_outcomes()

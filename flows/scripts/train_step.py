@@ -29,7 +29,7 @@ def train(rows: list[dict[str, float]], epochs: int) -> tuple[float, list[float]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--data", required=True, type=Path)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--out", required=True, type=Path)
