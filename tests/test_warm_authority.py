@@ -232,3 +232,30 @@ def test_a_worker_killed_with_only_idle_bodies_settles_their_idle_time_to_its_de
     (account,) = [a for a in cluster.plane.ledger().accounts() if a["budget"] == t.budget]
     assert account["pending"] == 0
     cluster.wait_for_workers(1, timeout=120)  # its nanny started it again
+
+
+def test_a_body_that_ended_while_the_plane_was_down_is_settled_by_what_it_idled(cluster, tmp_path):
+    """The plane is killed; the body ends on its worker meanwhile (its end event goes nowhere); the plane started
+    again reconciles its rows with the worker's report and settles the idle period by the seconds the worker
+    measured, not the 600 s keep-warm time its hold covers."""
+    _end_all_warm(cluster)
+    t = _tenant(cluster)
+    body, flow_run_id = _one_warm(cluster, t, tmp_path / "loads")
+    plane = cluster.plane
+    port = plane.url.rsplit(":", 1)[1]
+    plane.kill()
+    with cluster.client() as client:
+        client.sync(client.scheduler.broadcast, msg={"op": "gpu_end_warm", "bodies": [body["id"]]})
+    wait_until(lambda: not _warm(cluster), 30, "the body to end while the plane is down")
+    down_for = 5.0
+    time.sleep(down_for)  # the plane stays down a while: its idle time must not count this
+    plane.args[plane.args.index("--port") + 1] = port
+    plane.start()
+    restarted = time.time()
+    idle = wait_until(lambda: _idle_records(plane, flow_run_id), 60, "the idle time to be settled by the new plane")
+    assert len(idle) == 1 and idle[0].payload["ended"] == "ended by the control plane", idle[0].payload
+    row = _row(plane, body["id"])
+    assert row["state"] == "ended" and idle[0].payload["seconds"] < restarted - row["idle_since"] - down_for
+    assert row["ended_at"] == pytest.approx(row["idle_since"] + idle[0].payload["seconds"], abs=0.01)
+    (account,) = [a for a in plane.ledger().accounts() if a["budget"] == t.budget]
+    assert account["pending"] == 0

@@ -201,7 +201,8 @@ class WarmBooks:
         except Exception:  # its hold expires (charged at most the keep-warm time): never lost, never twice
             logger.exception("could not settle the idle time of warm body %s", body)
             return
-        self._row(body, lambda: self.rows.left_idle(body, runs, taken=taken, why=why))
+        at = period.since + seconds  # when it ended, as far as the books can tell (not when this was heard)
+        self._row(body, lambda: self.rows.left_idle(body, runs, taken=taken, why=why, at=at))
 
     def on_event(self, event: tuple[float, dict[str, Any]]) -> None:
         """The worker's `aisched-warm-body` event: a body ended while it waited (runs in the Dask client's loop)."""
