@@ -157,10 +157,7 @@ def test_a_second_authority_block_for_the_same_principal_gets_a_cold_body(cluste
 def test_revocation_reaches_an_idle_body_after_the_plane_was_killed_and_started_again(cluster, tmp_path):
     _end_all_warm(cluster)
     t = _tenant(cluster, authority_=authority(id="restart-root"))
-    body, flow_run_id = _one_warm(cluster, t, tmp_path / "loads")
-    row = wait_until(lambda: (r := _row(cluster.plane, body["id"])) and r["state"] == "idle" and r, 30,
-                     "the body's row to say idle")
-    assert row["runs"] == body["runs"] and row["holds"]
+    body, flow_run_id = _one_warm(cluster, t, tmp_path / "loads")  # its row is written before its run's reply
     plane = cluster.plane
     port = plane.url.rsplit(":", 1)[1]
     plane.kill()  # SIGKILL: nothing of its memory survives
@@ -179,7 +176,8 @@ def test_revocation_reaches_an_idle_body_after_the_plane_was_killed_and_started_
     holds = [r for r in plane.records(flow_run_id) if r.kind == "warm-hold"]
     (account,) = [a for a in plane.ledger().accounts() if a["budget"] == t.budget]
     assert len(holds) == 1 and account["pending"] == 0
-    assert _row(plane, body["id"])["state"] == "ended"
+    row = _row(plane, body["id"])
+    assert row["state"] == "ended" and row["runs"] == body["runs"] and row["ended_why"].startswith("its authority")
     print(f"idle body ended {ended_after:.2f}s after a revocation at the restarted plane")
 
 
@@ -259,3 +257,13 @@ def test_a_body_that_ended_while_the_plane_was_down_is_settled_by_what_it_idled(
     assert row["ended_at"] == pytest.approx(row["idle_since"] + idle[0].payload["seconds"], abs=0.01)
     (account,) = [a for a in plane.ledger().accounts() if a["budget"] == t.budget]
     assert account["pending"] == 0
+
+
+def test_a_budget_cut_below_what_it_holds_ends_an_idle_body(cluster, tmp_path):
+    _end_all_warm(cluster)
+    t = _tenant(cluster)
+    body, flow_run_id = _one_warm(cluster, t, tmp_path / "loads")  # its idle hold: 600 s of a quarter H100, 0.17
+    cluster.plane.apply("budget", t.budget, budget(limit=0.05))  # an operator cuts the budget below that
+    wait_until(lambda: not _warm(cluster), 30, "the idle body of the cut budget to end")
+    idle = wait_until(lambda: _idle_records(cluster.plane, flow_run_id), 30, "its idle time to be settled")
+    assert len(idle) == 1 and f"budget {t.budget!r} was cut to 0.05" in idle[0].payload["ended"], idle[0].payload
