@@ -92,6 +92,7 @@ class WarmBooks:
         self._idle: dict[tuple[str, int], WarmIdle] = {}
         self._early: dict[tuple[str, int], tuple[float, str]] = {}  # ends reported before their period was booked
         self._ending: set[str] = set()  # bodies asked to end: asked once
+        self._gone: dict[tuple[str, int], None] = {}  # periods ended here lately: a row read before is stale
         self._lock = threading.Lock()
 
     def load(self) -> int:
@@ -100,7 +101,8 @@ class WarmBooks:
         rows = {(r.body, r.runs): r for r in self.rows.load_idle()}
         with self._lock:
             for key, row in rows.items():
-                self._idle.setdefault(key, _period(row))
+                if key not in self._gone:
+                    self._idle.setdefault(key, _period(row))
             for key in [k for k, p in self._idle.items() if p.stored and k not in rows]:
                 del self._idle[key]
             return len(self._idle)
@@ -175,6 +177,9 @@ class WarmBooks:
                 return
             period = self._idle.pop((body, runs), None)
             self._ending.discard(body)
+            self._gone[(body, runs)] = None
+            if len(self._gone) > 10_000:
+                del self._gone[next(iter(self._gone))]
         if period is None:  # booked by another replica, or by this plane's earlier life: its row says
             try:
                 rows = outlasting(lambda: self.rows.load_idle(body, runs), patience=self.patience,
