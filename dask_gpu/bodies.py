@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from dask_gpu.inventory import GPUDevice
 logger = logging.getLogger("distributed.dask_gpu")
 WARM_TOPIC = "aisched-warm-body"  # a worker's event: a warm body ended (or was refused), with its idle time
 COLD_STREAM_OP = "gpu-queue-cold"  # to the scheduler, on the worker's stream: a body the queue counted as warm ended
+ENDED_KEPT = 4096  # ends of idle bodies a worker remembers, for a control plane that missed their events
 
 
 @dataclass(eq=False)
@@ -46,6 +48,7 @@ class BodyProcess:
     runs: int = 0
     keep: float = 0.0  # seconds it may stay idle
     idle_since: float | None = None  # monotonic; None while a run goes on
+    idle_before: float = 0.0  # how long it waited before the run it took last
     cgroup: Any = None  # its cgroup (dask_gpu.isolation.cgroups), where the worker has one
     workdir: str = ""  # its working directory on the worker's host (an isolated body's), removed as it ends
     network: Any = None  # the pasta serving its network namespace (dask_gpu.isolation.network), released as it ends
@@ -65,6 +68,7 @@ class BodyPool:
     def __init__(self, end_body: Callable[[BodyProcess, str, float], None]) -> None:
         self._end_body = end_body
         self._bodies: dict[str, BodyProcess] = {}
+        self._ended: deque[dict[str, Any]] = deque(maxlen=ENDED_KEPT)  # idle bodies ended here, newest last
         self._lock = threading.Lock()
 
     def add(self, body: BodyProcess) -> None:
@@ -82,7 +86,7 @@ class BodyPool:
                     or (devices is not None and sorted(devices) != sorted(d.key for d in body.devices))):
                 return None, 0.0
             idle = body.idle_for()
-            body.idle_since = None
+            body.idle_since, body.idle_before = None, idle
             return body, idle
 
     def park(self, body: BodyProcess, keep: float) -> bool:
@@ -101,6 +105,9 @@ class BodyPool:
             body.ended = reason
             idle = body.idle_for()
             self._bodies.pop(body.id, None)
+            if body.runs and body.idle_since is not None:  # a control plane that missed its event asks for it
+                self._ended.append({"id": body.id, "runs": body.runs, "idle": round(idle, 3), "reason": reason,
+                                    "at": time.time()})
         self._end_body(body, reason, idle)
         return True
 
@@ -121,6 +128,19 @@ class BodyPool:
             return [{"id": b.id, "tenant": b.tenant, "devices": [d.key for d in b.devices], "runs": b.runs,
                      "idle": round(b.idle_for(), 3), "keep": b.keep} for b in self._bodies.values()
                     if b.idle_since is not None and not b.ended]
+
+    def report(self) -> dict[str, list[dict[str, Any]]]:
+        """What a control plane that was away reconciles its books with: the idle bodies and their idle periods
+        (`runs`), the busy ones (how long each waited before the run it took last) and the idle bodies that ended
+        here lately (at most ENDED_KEPT: how long each waited and why it ended), so each idle period is settled by
+        its real length."""
+        with self._lock:
+            bodies = [b for b in self._bodies.values() if not b.ended and b.runs]
+            return {"idle": [{"id": b.id, "runs": b.runs, "idle": round(b.idle_for(), 3)} for b in bodies
+                             if b.idle_since is not None],
+                    "busy": [{"id": b.id, "runs": b.runs, "idle_before": round(b.idle_before, 3)} for b in bodies
+                             if b.idle_since is None],
+                    "ended": list(self._ended)}
 
     def close(self) -> None:
         with self._lock:

@@ -335,7 +335,8 @@ class GPUWorkerPlugin(WorkerPlugin):
         return {"name": self.worker_name, "inventory": self.inventory.model_dump(mode="json"),
                 "held": {k: v for k, v in self.allocator.holders().items() if not k.startswith(WARM_HOLD)}, "usage": self.allocator.usage(),
                 "isolation": plan.mode if plan else "", "isolation_detail": plan.describe() if plan else "",
-                "results": self.results.base_url if self.results else "", "warm": self.bodies.idle()}
+                "results": self.results.base_url if self.results else "", "warm": self.bodies.idle(),
+                "warm_report": self.bodies.report()}
 
 
 def _stop_frame_sampler(worker: Worker) -> None:

@@ -40,7 +40,9 @@ WHERE_OP = "gpu_ticket_where"
 MEET_OP = "gpu_gang_meet"
 STATES_OP = "gpu_task_states"
 PLACED_TOPIC = "aisched-placed"  # a worker's event: a run (ticket, member) holds these devices
-DIED_TOPIC = "aisched-worker-died"  # the registry's event: a worker left while these runs were on it
+DIED_TOPIC = "aisched-worker-died"  # the registry's event: a worker left (with the runs that were on it, if any)
+LEFT_OP = "gpu_workers_left"  # when each worker that left did (a control plane that was away asks)
+LEFT_KEPT = 4096
 KEY_PREFIX = "aisched-"  # the Dask keys of admitted runs
 
 
@@ -197,6 +199,7 @@ class TicketRegistry(SchedulerPlugin):
         self._refused: dict[str, list[dict[str, Any]]] = {}  # ticket -> attempts refused after the first
         self._gangs: dict[str, dict[str, Any]] = {}  # ticket -> members met so far, and the event all wait on
         self._names: dict[str, str] = {}  # worker address -> name, kept after it leaves
+        self._left: dict[str, float] = {}  # worker address -> when it left (the newest LEFT_KEPT)
         self.scheduler: Any = None
 
     async def start(self, scheduler: Any) -> None:
@@ -205,6 +208,7 @@ class TicketRegistry(SchedulerPlugin):
         scheduler.handlers[WHERE_OP] = self.where
         scheduler.handlers[MEET_OP] = self.meet
         scheduler.handlers[STATES_OP] = self.states
+        scheduler.handlers[LEFT_OP] = self.workers_left
         for address, ws in scheduler.workers.items():
             self._names[address] = str(ws.name)
 
@@ -276,13 +280,23 @@ class TicketRegistry(SchedulerPlugin):
         elif topic == "all" and isinstance(msg, dict) and msg.get("action") == "remove-worker":
             self._worker_died(msg.get("worker", ""), set(msg.get("processing-tasks", ())), bool(msg.get("expected")))
 
+    def workers_left(self) -> dict[str, float]:
+        """Worker address -> when it left (the scheduler's clock), for the newest LEFT_KEPT that left."""
+        return dict(self._left)
+
     def _worker_died(self, worker: str, processing: set, expected: bool) -> None:
+        """Every worker that leaves is told, whatever ran on it: one with only idle warm bodies took their device
+        shares and idle time with it, and the control plane settles that time to now."""
         runs = [dict(v, ticket=t) for (t, _), v in self._where.items() if v["worker"] == worker and v["key"] in processing]
         keys = sorted(str(k) for k in processing if str(k).startswith(KEY_PREFIX))
-        if not (runs or keys) or self.scheduler is None:
+        now = time.time()
+        self._left[worker] = now
+        if len(self._left) > LEFT_KEPT:
+            del self._left[next(iter(self._left))]
+        if self.scheduler is None:
             return
         self.scheduler.log_event(DIED_TOPIC, {"worker": worker, "name": self._names.get(worker, worker),
-                                              "expected": expected, "runs": runs, "keys": keys})
+                                              "expected": expected, "runs": runs, "keys": keys, "at": now})
 
 
 def install_registry(client: Any) -> None:

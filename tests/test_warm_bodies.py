@@ -156,7 +156,7 @@ def test_revocation_ends_an_idle_warm_body(cluster, tmp_path):
     ended_after = time.monotonic() - t0
     idle = wait_until(lambda: [r for r in cluster.plane.records(flow_run_id) if r.kind == "warm-idle"], 30,
                       "its idle time to be settled")
-    assert len(idle) == 1 and idle[0].payload["ended"] == "its authority ended"
+    assert len(idle) == 1 and idle[0].payload["ended"] == "its authority ended: grant 'revoked-root' is revoked"
     print(f"idle warm body ended {ended_after:.2f}s after the revocation")
 
 

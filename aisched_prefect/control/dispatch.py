@@ -60,7 +60,9 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         self._inv_lock = threading.Lock()
         self._gang_lock = threading.Lock()  # queue off: one gang at a time looks for whole idle workers
         client.subscribe_topic(DIED_TOPIC, self._on_worker_died)  # the ticket registry names what a dead worker took
-        self.warm = WarmBooks(ledger, self._bound, lambda bodies, why: end_warm(client, bodies, why))
+        self.warm = WarmBooks(ledger, self._bound, lambda bodies, why: end_warm(client, bodies, why),
+                              patience=self.settle_patience())
+        self.warm.load()  # the idle bodies booked before this plane started (its earlier life, another replica)
         client.subscribe_topic(WARM_TOPIC, self.warm.on_event)  # a worker ended a warm body: settle its idle time
         # Runs waiting in the cluster's queue: answered on the client's stream (no thread, no connection each).
         self._entered: dict[str, tuple[Running, Callable[[Placement | None], None]]] = {}
@@ -257,10 +259,23 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         return [results[i] for i in range(len(futures))]
 
     def resubscribe(self) -> None:
-        """After a reconnect: the worker-death events and the queue's answers again (a new scheduler knows neither)."""
+        """After a reconnect: the worker-death events and the queue's answers again (a new scheduler knows neither),
+        and the warm books against what the workers say (ends that happened while it was away)."""
         self.client.subscribe_topic(DIED_TOPIC, self._on_worker_died)
         self.client.subscribe_topic(WARM_TOPIC, self.warm.on_event)
         self.client._stream_handlers[PLACED_STREAM_OP] = self._on_placed
+        threading.Thread(target=self.reconcile_warm, name="aisched-warm-reconcile", daemon=True).start()
+
+    def reconcile_warm(self) -> dict[str, int]:
+        """The warm books against the workers' reports (control.warm_reconcile); logged, never raised."""
+        from aisched_prefect.control.warm_reconcile import reconcile, worker_reports
+
+        try:
+            return reconcile(self.warm, lambda: worker_reports(self.client),
+                             lambda bodies, why: end_warm(self.client, bodies, why))
+        except Exception:
+            logger.exception("could not reconcile the warm bodies with the workers; trying again later")
+            return {}
 
 
 def scheduler_unreachable(client: Client, why: str) -> AdmissionDenied:

@@ -26,10 +26,10 @@ class Losses:
     """The dispatcher's part that notices lost workers and a lost scheduler (a mixin of Dispatcher)."""
 
     def _on_worker_died(self, event: tuple[float, dict[str, Any]]) -> None:
-        """The ticket registry's event: a worker left while these runs were on it (runs in the client's loop)."""
+        """The ticket registry's event: a worker left, and these runs were on it (runs in the client's loop)."""
         msg = event[1]
-        if msg.get("worker"):
-            threading.Thread(target=self.warm.worker_died, args=(msg["worker"],), daemon=True).start()
+        if msg.get("worker"):  # sent for every worker that leaves: its idle warm bodies' time counts to now
+            threading.Thread(target=self.warm.worker_died, args=(msg["worker"], time.time()), daemon=True).start()
         devices = {r["key"]: r.get("devices", []) for r in msg.get("runs", [])}
         slurm = {r["key"]: r["slurm_job"] for r in msg.get("runs", []) if r.get("slurm_job")}
         keys = set(msg.get("keys", [])) | set(devices)

@@ -23,6 +23,7 @@ The HTTP app (app.py) is a thin shell that calls the part owning each act.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -81,6 +82,8 @@ class ControlPlane:
             install(self.client, self.state, queue=queue)
             self.dispatcher = Dispatcher(self.client, self.signer, self.ledger, self.state, settings, queue=queue)
             self._stack.callback(self.dispatcher.warm.close)  # before the client closes: bodies end, idle time settled
+            # Bodies that ended, or whose worker left, while no plane listened (this one was killed): settled now.
+            threading.Thread(target=self.dispatcher.reconcile_warm, name="aisched-warm-reconcile", daemon=True).start()
             self.approvals = ApprovalBook(self.ledger, self.state, base_url)
             self.waiters = Waiters(self.approvals, settings.session_lease_seconds)
             # A completed call's result token is kept sealed under a key only the plane's key file gives.
@@ -119,7 +122,8 @@ class ControlPlane:
             (min(settings.session_lease_seconds / 3, 5.0), self.waiters.sweep),  # requests of flows that are gone
             (settings.day_report_seconds, self.reports.publish_day_report),
             (min(settings.session_lease_seconds / 3, 5.0), self.outcomes.expire),
-            (2.0, self.runs.refile)]  # replies of runs that ended while the database was down
+            (2.0, self.runs.refile),  # replies of runs that ended while the database was down
+            (settings.warm_reconcile_seconds, self.dispatcher.reconcile_warm)]  # warm bodies that ended unheard
         if self.checkpoint_dir is not None:
             chores.append((settings.checkpoint_seconds, self.reports.checkpoint_if_moved))
         if self.queue:  # a scheduler that restarted (its queue installed afresh by its preload) gets the weights back

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,10 +12,10 @@ import cloudpickle
 from aisched_prefect.control import stages
 from aisched_prefect.control.admission import Admission
 from aisched_prefect.control.outcomes import direct_reply, result_evidence
+from aisched_prefect.control.outlast import outlasting
 from aisched_prefect.control.running import Preempted, Running, base_payload, held_by_account
-from aisched_prefect.errors import InvalidUsage, LedgerUnavailable
+from aisched_prefect.errors import InvalidUsage
 from aisched_prefect.ledger import BudgetAlert, Hold
-from aisched_prefect.ledger.engine import retryable
 from aisched_prefect.usage import ReportedUsage, reported
 from aisched_prefect.wire import Reply
 from blocks import MAX_AMOUNT, BudgetBlock, UnpriceableRequest, Usage
@@ -89,29 +88,17 @@ class Settlement:
 
     def _outlasting(self, write: Callable[[], Any], adm: Admission) -> None:
         """Run a settlement's write, again while the ledger's database is unreachable, for up to
-        AISCHED_SETTLE_PATIENCE_SECONDS (at most half the hold lease).
+        AISCHED_SETTLE_PATIENCE_SECONDS (at most half the hold lease): control.outlast, the piece a warm body's idle
+        settlement uses too.
 
-        Why here, and bounded by the lease: a settlement is idempotent (settling holds twice changes nothing and
-        records nothing), so running it again after an outage, or after a commit whose outcome was unknown, is safe.
         While it waits the run stays among the dispatcher's running runs, whose holds the watcher renews once the
         database is back, so no hold expires (charged in full) under a run that finished; and the reply waits with
-        it, so the flow hears how the run ended, not "could not run it". The ledger's own retries (under a second)
-        ride out a dropped connection, not a restart of 3-5 s. A local queue of settlements would outlast longer
-        outages but is a second book of money beside the ledger; past the lease the holds expire anyway."""
-        patience = min(self.settings.settle_patience_seconds, self.settings.hold_lease_seconds / 2)
-        deadline = time.monotonic() + patience
-        pause = 0.1
-        while True:
-            try:
-                write()
-                return
-            except Exception as exc:
-                if not (isinstance(exc, LedgerUnavailable) or retryable(exc)) or time.monotonic() + pause > deadline:
-                    raise
-                logger.warning("AI task %s (admission %s) ended but the ledger is unreachable; settling it again in "
-                               "%.1fs (for up to %.0fs): %s", adm.task_name, adm.id, pause, patience, exc)
-                time.sleep(pause)
-                pause = min(pause * 2, 2.0)
+        it, so the flow hears how the run ended, not "could not run it"."""
+        outlasting(write, patience=self.settle_patience(), what=f"AI task {adm.task_name} (admission {adm.id}) ended")
+
+    def settle_patience(self) -> float:
+        """How long a settlement keeps trying through a ledger outage: the setting, at most half the hold lease."""
+        return min(self.settings.settle_patience_seconds, self.settings.hold_lease_seconds / 2)
 
     def _finish(self, state: Running, out: Outcome, members: list[dict[str, Any]] | None = None) -> tuple[Reply, bytes]:
         adm, run = state.admission, out.run

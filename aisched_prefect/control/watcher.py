@@ -1,11 +1,14 @@
-"""The watcher: keeps running work honest while it runs.
+"""The watcher: keeps running work honest while it runs, and idle warm bodies while they wait.
 
 Every `watch_seconds` it folds new authority records (another replica's
 revocation included), stops runs whose chain broke (a grant revoked, deleted
-from its applied authority, expired or shortened), whose credential was
-revoked, or whose budget cover ran out with a refused top-up; renews the
-leases of the bodies it still vouches for (a worker kills a body whose lease
-runs out: if the control plane is gone, work stops), and renews budget holds.
+from its applied authority, expired or shortened, a delegation withdrawn),
+whose credential was revoked or expired, or whose budget cover ran out with a
+refused top-up; ends idle warm bodies for the same reasons, and those whose
+budget was cut below what it has spent and holds; reads the idle bodies other
+replicas (or this plane's earlier life) booked; renews the leases of the bodies
+it still vouches for (a worker kills a body whose lease runs out: if the control
+plane is gone, work stops), and renews budget holds.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from aisched_prefect.control.admission import Admission
 from aisched_prefect.control.dispatch import Dispatcher
 from aisched_prefect.control.running import Running
 from aisched_prefect.control.state import AuthorityState
+from aisched_prefect.control.warm import WarmIdle
 from aisched_prefect.settings import Settings
 from blocks import ChainBroken, Usage
 from dask_gpu import renew_leases, running_for
@@ -30,6 +34,7 @@ TOP_UP_AT = 0.8  # ask for a top-up when a GPU task has used this share of the t
 MAX_TOP_UPS_PER_POLL = 20  # catching up after late polls, bounded
 STUCK_CHECK_SECONDS = 5.0  # how often runs handed to Dask are checked for a dead worker's no-worker state
 RECHECK_SECONDS = 2.0  # how often every run's authority is walked again when nothing changed (grants expire)
+WARM_LOAD_SECONDS = 2.0  # how often the idle warm bodies' rows are read (another replica's, a dead plane's)
 
 
 class Watcher:
@@ -69,7 +74,7 @@ class Watcher:
                         logger.exception("periodic %s failed; it runs again later", getattr(chore, "__name__", chore))
 
     def _loop(self) -> None:
-        leases_at = holds_at = stuck_at = 0.0
+        leases_at = holds_at = stuck_at = warm_at = 0.0
         while not self._closing.wait(self.settings.watch_seconds):
             try:
                 if self.heartbeat is not None:
@@ -80,8 +85,12 @@ class Watcher:
                 if running:
                     self.stop_broken(running)
                     self.enforce_cover(running)
-                self.dispatcher.warm.end_broken(self.why_broken)  # idle warm bodies: ended within a poll
                 now = time.monotonic()
+                if now - warm_at >= WARM_LOAD_SECONDS:  # idle warm bodies: every replica's, ended within a poll
+                    warm_at = now
+                    self._warm_with_rows()
+                else:
+                    self.dispatcher.warm.end_broken(self.why_broken)
                 if running and now - leases_at >= self.settings.body_lease_seconds / 3:
                     handed = [k for r in running.values() if r.dask_at is not None for k in r.dask_keys]
                     if handed:  # runs still waiting in the queue have no body to renew
@@ -100,12 +109,28 @@ class Watcher:
             except Exception:  # keep watching; the next poll retries
                 logger.exception("watcher failed; retrying")
 
+    def _warm_with_rows(self) -> None:
+        """The idle bodies' rows read, then every idle body's authority and budget checked; while the ledger is
+        unreachable, the bodies known here are still checked against authority (one line logged, not a traceback)."""
+        from aisched_prefect.control.outlast import unreachable
+
+        try:
+            self.dispatcher.warm.load()
+            self.dispatcher.warm.end_broken(self.why_broken, self.budget_cut)
+        except Exception as exc:
+            if not unreachable(exc):
+                raise
+            logger.warning("the warm bodies' rows could not be read (the ledger is unreachable): %s", exc)
+            self.dispatcher.warm.end_broken(self.why_broken)
+
     def why_broken(self, adm: Admission) -> str | None:
         """Why this admission's authority no longer stands (a run's, or a warm body's last run's), or None."""
         snap = self.state.snapshot
         cred = snap.credentials.get(adm.credential)
         if cred is None or cred.revoked:
             return f"the credential of {adm.principal!r} was revoked"
+        if cred.expired(time.time()):
+            return f"the credential of {adm.principal!r} expired"
         try:
             bound = stages.configuration(snap, cred)
             chain = stages.chain_of(snap, bound.authority, adm.chain[-1])
@@ -115,6 +140,23 @@ class Watcher:
             return f"{type(exc).__name__}: {exc}"
         # Still in force, but does it still cover this run? (An operator narrowed it: kinds, models, GPUs, cost.)
         return chain[-1].refusal(adm.facts)
+
+    def budget_cut(self, periods: list[WarmIdle]) -> dict[str, str]:
+        """Idle warm bodies holding on a budget account that a cut left over its limit (spent and held above it):
+        their hold would be refused now, so they end (body -> why)."""
+        ledger = self.dispatcher.ledger
+        accounts = {(a["budget"], a["period"]): a for a in ledger.accounts()}
+        limits = {row["budget"]: row["limit"] for row in ledger.limits()}
+        out: dict[str, str] = {}
+        for p in periods:
+            for h in p.holds:
+                a = accounts.get((h.budget, h.period))
+                limit = limits.get(h.budget, a["limit"]) if a is not None else None
+                if a is not None and limit is not None and a["posted"] + a["pending"] > limit + 1e-9:
+                    out[p.body] = (f"budget {h.budget!r} was cut to {limit:g}, below what it has spent and holds "
+                                   f"({a['posted'] + a['pending']:g})")
+                    break
+        return out
 
     def stop_broken(self, running: dict[str, Running]) -> None:
         """Stop runs whose authority ended. A run is checked when it is new to the watcher, when the authority

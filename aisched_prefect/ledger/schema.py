@@ -10,8 +10,8 @@ from sqlalchemy.engine import Connection, Engine
 from aisched_prefect.evidence import GENESIS
 
 # 2: delegated grants and revocations; 3: signed checkpoints; 4: units, leases, alerts; 5: flow versions;
-# 6: hold groups, rounding carries, versioned limits
-SCHEMA_VERSION = 7
+# 6: hold groups, rounding carries, versioned limits; 7: indexes; 8: warm bodies
+SCHEMA_VERSION = 8
 
 metadata = sa.MetaData()
 
@@ -113,6 +113,30 @@ flow_versions = sa.Table(
     sa.Column("first_admitted_at", sa.Float, nullable=False),
 )
 
+# A warm body's life as the control plane keeps it (control/warm_rows.py): started cold by a run, idle with its hold,
+# taken by the next run of its key, ended and why. Any replica, or a plane started again, reads the idle ones here.
+warm_bodies = sa.Table(
+    "aisched_warm_bodies", metadata,
+    sa.Column("body", sa.String(64), primary_key=True),
+    sa.Column("key", sa.String(64), nullable=False),
+    sa.Column("tenant", sa.String(200), nullable=False),
+    sa.Column("principal", sa.String(200), nullable=False),
+    sa.Column("worker", sa.String(300), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),  # idle | running | ended
+    sa.Column("runs", sa.Integer, nullable=False),  # runs it has served; while idle, names its idle period
+    sa.Column("admission", sa.JSON),  # the run that left it idle: its principal, budget lines and authority
+    sa.Column("holds", sa.JSON),  # the hold of its idle period
+    sa.Column("keep_seconds", sa.Float, nullable=False, server_default="0"),
+    sa.Column("gpu_type", sa.String(64)),
+    sa.Column("started_at", sa.Float, nullable=False),  # its cold start
+    sa.Column("idle_since", sa.Float),  # when its idle period began (the plane's clock)
+    sa.Column("taken_at", sa.Float),  # when a run of its key last took it
+    sa.Column("ended_at", sa.Float),
+    sa.Column("ended_why", sa.Text),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Index("ix_aisched_warm_bodies_state", "state"),
+)
+
 chain_head = sa.Table(
     "aisched_chain_head", metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
@@ -168,6 +192,7 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         lambda conn: _index(conn, "ix_aisched_holds_flow_run", "aisched_holds", "flow_run_id"),
         lambda conn: _index(conn, "ix_aisched_evidence_kind_seq", "aisched_evidence", "kind, seq"),
     ],
+    8: [],  # aisched_warm_bodies is a new table
 }
 
 

@@ -1,0 +1,58 @@
+"""The warm books against the workers' reports (control.warm_reconcile), with books that record what is settled:
+each idle period is settled by what the worker measured, up to when its worker left, or (taken by a run whose
+outcome was lost) by how long it waited for that run; a body nobody booked is ended once it idled past the grace."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from aisched_prefect.control.warm_reconcile import UNKNOWN_GRACE_SECONDS, reconcile
+
+
+@dataclass
+class Period:
+    body: str
+    runs: int
+    worker: str
+    since: float
+    keep: float = 600.0
+
+    def idle_at(self, at: float | None = None) -> float:
+        return min(max((time.time() if at is None else at) - self.since, 0.0), self.keep)
+
+
+class Books:
+    def __init__(self, periods: list[Period]) -> None:
+        self._periods, self.settled = periods, []
+
+    def load(self) -> int:
+        return len(self._periods)
+
+    def periods(self) -> list[Period]:
+        return list(self._periods)
+
+    def ended(self, body: str, runs: int, idle: float, why: str, worker: str | None = None, taken: bool = False):
+        self.settled.append((body, runs, round(idle, 1), why, taken))
+        self._periods = [p for p in self._periods if (p.body, p.runs) != (body, runs)]
+
+
+def test_each_idle_period_is_settled_by_its_real_end_and_unknown_bodies_end():
+    now = time.time()
+    books = Books([Period("waiting", 1, "w1", now - 50), Period("ended", 2, "w1", now - 100),
+                   Period("taken", 3, "w1", now - 100), Period("gone", 1, "w2", now - 100),
+                   Period("forgotten", 1, "w1", now - 20), Period("silent", 1, "w3", now - 100)])
+    reports = {"w1": {"idle": [{"id": "waiting", "runs": 1, "idle": 50.0},
+                               {"id": "stray", "runs": 4, "idle": UNKNOWN_GRACE_SECONDS + 1},
+                               {"id": "young", "runs": 1, "idle": 1.0}],
+                      "busy": [{"id": "taken", "runs": 4, "idle_before": 7.0}],
+                      "ended": [{"id": "ended", "runs": 2, "idle": 12.5, "reason": "keep-warm time passed"}]},
+               "w3": None}  # w3 did not answer this time; w2 left 30 s after its body went idle
+    ended: list = []
+    done = reconcile(books, lambda: (reports, {"w2": now - 70}), lambda ids, why: ended.append((ids, why)))
+    assert sorted(books.settled) == sorted([
+        ("ended", 2, 12.5, "keep-warm time passed", False), ("taken", 3, 7.0, "a run of its key", True),
+        ("gone", 1, 30.0, "its worker w2 left", False), ("forgotten", 1, 20.0, "its worker no longer has it", False)])
+    assert [p.body for p in books.periods()] == ["waiting", "silent"]
+    assert ended == [(["stray"], "no control plane booked it (its run's outcome was lost)")]
+    assert done == {"settled": 3, "taken": 1, "unknown_ended": 1}
