@@ -34,7 +34,8 @@ class Settlement:
         req = adm.request
         if not self.queue or req.preemptible or (req.hosts or 1) > 1 or req.gpus <= 0:
             return 0.0
-        return min(req.keep_warm_seconds, self.settings.max_keep_warm_seconds)
+        keep = min(req.keep_warm_seconds, self.settings.max_keep_warm_seconds)
+        return keep if adm.keep_warm_seconds is None else min(keep, adm.keep_warm_seconds)  # cut to fit its cap
 
     def _bound(self, admission: Admission) -> stages.Bound:
         snap = self.state.snapshot
