@@ -94,6 +94,38 @@ def test_a_maps_bodies_end_when_nothing_of_their_key_waits_in_its_flow_run(clust
     tails = [r for r in idle if r.payload["ended"] == WHY]
     assert len(tails) == len(set(loads))  # each body's last idle period ended because nothing waited
     assert all(r.payload["seconds"] < 60 for r in idle)  # seconds of tail, not the 600 s asked
+    _explained_and_reported(cluster, str(flow_run_id), shards=12, bodies=len(set(loads)))
+
+
+def _explained_and_reported(cluster, flow_run_id: str, shards: int, bodies: int) -> None:
+    """`aisched explain` sums the map up (shards, cold and warm starts, bodies, idle per body), says of each run cold
+    or warm and which body, prints no raw dict; `aisched report` shows idle time beside the work it served."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from aisched_prefect.cli import app
+
+    env = {"COLUMNS": "250"}
+    out = CliRunner().invoke(app, ["explain", flow_run_id, "--ledger", cluster.plane.ledger_url], env=env)
+    assert out.exit_code == 0, out.output
+    text = out.output
+    assert f"{shards} task run(s)" in text and "cold starts" in text and "idle s per body" in text
+    summary = next(line for line in text.splitlines() if "score" in line and "│" in line)
+    cells = [c.strip() for c in summary.split("│")[1:-1]]
+    assert cells[1:6] == [str(shards), str(bodies), str(shards - bodies), "0", str(bodies)], cells
+    assert text.count("COLD start in body") + text.count("WARM start in body") == 10  # the first ten task runs
+    assert "2 more task runs" in text and "--all" in text
+    assert not re.search(r"\{'|': \{|\[\{", text), text  # no raw dict or list of dicts anywhere
+    everything = CliRunner().invoke(app, ["explain", flow_run_id, "--all", "--ledger", cluster.plane.ledger_url],
+                                    env=env).output
+    assert everything.count("COLD start in body") + everything.count("WARM start in body") == shards
+    assert "IDLE SETTLED for warm body" in everything and not re.search(r"\{'|': \{|\[\{", everything)
+    report = CliRunner().invoke(app, ["report", "--ledger", cluster.plane.ledger_url, "--by", "kind",
+                                      "--flow-run", flow_run_id], env=env)
+    assert report.exit_code == 0, report.output
+    assert "warm-idle of batch-inference" in report.output and "of its work's charge" in report.output
+    assert "idle time, beside the work it served" in report.output
 
 
 @pytest.mark.usefixtures("prefect_api")
