@@ -68,7 +68,7 @@ def body_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
 
 def task_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
     """One row per task of the records: shards (task runs), cold and warm starts, bodies, runs' charge, idle
-    seconds and charge per body, and the idle share of what the work was charged."""
+    seconds and charge per body, and the idle share: idle money / the runs' money (as `aisched report` says it)."""
     runs, bodies = run_rows(records), body_rows(records)
     tasks: dict[str, dict[str, Any]] = defaultdict(lambda: {"shards": set(), "cold": 0, "warm": 0, "fresh": 0,
                                                             "charged": 0.0, "seconds": 0.0})
@@ -87,7 +87,7 @@ def task_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
                     "fresh processes": t["fresh"], "bodies": len(mine), "run s": f"{t['seconds']:.1f}",
                     "charged": f"{t['charged']:.6f}", "idle s per body": f"{idle_s / n:.1f}",
                     "idle charged per body": f"{idle_m / n:.6f}", "idle charged": f"{idle_m:.6f}",
-                    "idle share": f"{idle_m / (t['charged'] + idle_m):.0%}" if t["charged"] + idle_m else "-"})
+                    "idle share": f"{idle_m / t['charged']:.0%}" if t["charged"] else "-"})
     return out
 
 

@@ -13,7 +13,6 @@ import uuid
 import pytest
 
 from aisched_prefect import ai_task
-from aisched_prefect.control.idle_price import idle_price
 from aisched_prefect.request import AIRequest
 from blocks import ApprovalPolicyBlock, ApprovalRule, Grant
 from tests.approval_helpers import RawCall
@@ -30,6 +29,8 @@ def answer(x: int) -> int:
 
 
 def test_the_idle_time_is_cut_so_run_and_idle_fit_the_smallest_cap():
+    from aisched_prefect.control.idle_price import idle_price
+
     req = AIRequest(gpus=0.25, gpu_type="H100", kind="inference", est_seconds=200)
     chain = [Grant(id="root", principal="p", max_cost_per_run=1.0), Grant(id="leaf", principal="p", max_cost_per_run=0.1)]
     got = idle_price(budget().model_copy(), req, ["H100"], RUN, chain, 3600)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dask_gpu.bodycode import ShippedCode, load, ship, unwrap
-from dask_gpu.errors import ShippedCodeTooLarge
+from dask_gpu.bodycode import ShippedCode, ship, unwrap
 
 TASK = """
 from aisched_prefect import ai_task
@@ -94,6 +93,7 @@ def test_a_regular_package_ships_whole(on_path):
 
 def test_a_package_too_large_to_ship_says_so(on_path, monkeypatch):
     import dask_gpu.bodycode as bodycode
+    from dask_gpu.errors import ShippedCodeTooLarge
 
     name = _package(on_path)
     monkeypatch.setattr(bodycode, "MAX_FILES", 2)

@@ -13,10 +13,11 @@ import pytest
 from prefect import flow
 from prefect.context import FlowRunContext
 
-from aisched_prefect.control.warm_tail import WHY, excess
 from tests.clusterprocs import single_host
 from tests.helpers import tenant, wait_until
 from tests.warm_model import score
+
+WHY = "nothing of its key waits in its flow run"  # control.warm_tail.WHY: why such a body's idle period ended
 
 
 @dataclass
@@ -39,6 +40,7 @@ class _Idle:
 
 def test_the_spare_bodies_past_their_linger_end_longest_idle_first(monkeypatch):
     import aisched_prefect.control.warm_tail as tail
+    from aisched_prefect.control.warm_tail import excess
 
     monkeypatch.setattr(tail, "warm_key", lambda adm: "k")
     f1, f2, across = _Adm("f1", _Req()), _Adm("f2", _Req()), _Adm("f3", _Req(True))
