@@ -46,7 +46,8 @@ class Settings(BaseSettings):
         "run of its key (what @ai_task(keep_warm=...) asks is cut to this; 0 turns warm bodies off).")
     warm_linger_seconds: float = Field(
         default=2.0, ge=0, le=3600, description="AISCHED_WARM_LINGER_SECONDS: a warm body whose flow run has nothing "
-        "of its key waiting ends after idling this long (the tail of the work, not its keep-warm time), unless its "
+        "of its key waiting ends after idling this long, three times this while runs of its key still run in that "
+        "flow run (the tail of the work, not its keep-warm time), unless its "
         "task asked @ai_task(keep_warm_across_flow_runs=True).")
     top_up_fraction: float = Field(default=0.5, gt=0, le=10, description="A GPU run nearing what its hold covers "
                                    "asks for this share of its est_seconds more.")

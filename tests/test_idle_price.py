@@ -61,13 +61,13 @@ def test_max_cost_per_run_counts_the_idle_hold(cluster):
     call = RawCall(t, answer, 1)
     reply, result = call.send()
     assert reply.status == "completed" and result == 2
+    hold = wait_until(lambda: _records(control_plane, call.flow_run_id, "warm-hold"), 60, "the idle hold")[0]
+    assert RUN + hold.payload["keep_seconds"] * IDLE_RATE <= 0.10 + 1e-9  # run and idle hold within the cap
     admission = _records(control_plane, call.flow_run_id, "admission")[0]
     idle = admission.payload["idle"]
     assert idle["asked_seconds"] == 300 and idle["capped_by"] and idle["seconds"] < 300
     assert admission.payload["estimate"]["amount"] + idle["cost"] <= 0.10 + 1e-9
-    hold = wait_until(lambda: _records(control_plane, call.flow_run_id, "warm-hold"), 60, "the idle hold")[0]
     assert hold.payload["keep_seconds"] == pytest.approx(idle["seconds"])  # the body waits no longer than priced
-    assert RUN + hold.payload["keep_seconds"] * IDLE_RATE <= 0.10 + 1e-9
     call.close()
 
 

@@ -52,6 +52,10 @@ def test_the_spare_bodies_past_their_linger_end_longest_idle_first(monkeypatch):
     # anyway. f2: nothing waits: "d" ends. f3 asked to stay warm across flow runs: kept.
     assert sorted(got) == ["a", "b", "d"]
     assert excess(periods, lambda k, f: 5, linger=2.0, now=10.0) == []  # type: ignore[arg-type]
+    # While runs of the key still run in the flow run, the linger is three times longer: "b" (idle 5 s) stays.
+    busy = excess(periods, lambda k, f: waiting.get((k, f), 0), linger=2.0, now=10.0,  # type: ignore[arg-type]
+                  busy=lambda k, f: 1 if f == "f1" else 0)
+    assert sorted(busy) == ["a", "d"]
 
 
 

@@ -68,15 +68,18 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots):
         self._calls: set[str] = set()  # call keys this replica follows, queued or running
         client._stream_handlers[PLACED_STREAM_OP] = self._on_placed
 
-    def _waiting_by_key(self) -> dict[tuple[str, str], int]:
-        """Runs not placed yet, by (warm key, flow run): what an idle body of that key may still serve."""
-        out: dict[tuple[str, str], int] = {}
+    def _waiting_by_key(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """Runs by (warm key, flow run): (not placed yet, placed and not ended): what an idle body of that key may
+        still serve, and whether its flow run's work of that key goes on (control.warm_tail)."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
         with self.lock:
             states = list(self.running.values())
         for r in states:
-            if not r.placed and r.started_at is None and r.stop_reason is None and not r.settled:
-                k = (warm_key(r.admission), r.admission.flow_run_id)
-                out[k] = out.get(k, 0) + 1
+            if r.stop_reason is not None or r.settled:
+                continue
+            k = (warm_key(r.admission), r.admission.flow_run_id)
+            waiting, busy = out.get(k, (0, 0))
+            out[k] = (waiting + 1, busy) if not r.placed and r.started_at is None else (waiting, busy + 1)
         return out
 
     def inventories(self, fresh: bool = False) -> dict[str, WorkerInventory]:
