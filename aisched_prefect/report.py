@@ -28,6 +28,33 @@ def money_of(items: list[dict[str, Any]], field: str) -> float:
     return round(sum(i[field] for i in money if i.get("budget") == first), 6)
 
 
+def charged_money(p: dict[str, Any]) -> float:
+    """Money charged by a settlement record: its first money account, as `aisched evidence show` reads it."""
+    if p.get("settlements"):
+        return money_of(p["settlements"], "charged")
+    charges = p.get("charges") or {}
+    return round(float(next(iter(charges.values()), 0.0)), 6)
+
+
+def flatten(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """A record's payload as (field, value) lines a table shows: nested objects by dotted name, never as a dict."""
+    if isinstance(value, dict):
+        out: list[tuple[str, str]] = []
+        for k, v in value.items():
+            out += flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        out = []
+        for i, v in enumerate(value):
+            out += flatten(v, f"{prefix}[{i}]")
+        return out
+    if isinstance(value, list):
+        return [(prefix, ", ".join(str(v) for v in value) or "-")]
+    if isinstance(value, float):
+        return [(prefix, f"{value:.6g}")]
+    return [(prefix, "-" if value is None else str(value))]
+
+
 def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
     """One row per attempt of each task run (a retry, or a requeue, is a row of its own): request, principal,
     grant, placement (`worker` is the worker's name, `address` where it was), reserved, charged, decision.
@@ -259,15 +286,11 @@ def explain(records: list[EvidenceRecord]) -> str:
                            f"{p.get('keep_seconds', 0):.0f} s of its share")
                 out.extend(_held_lines(p))
             elif r.kind == "warm-idle":
-                from aisched_prefect.run_summary import _charged
-
                 out.append(f"  [{r.seq}] IDLE SETTLED for warm body {p.get('body')}: {p.get('seconds', 0):.1f} s, "
-                           f"charged {_charged(p):.6f} as warm-idle; ended: {p.get('ended') or '?'}")
+                           f"charged {charged_money(p):.6f} as warm-idle; ended: {p.get('ended') or '?'}")
             elif r.kind == "warm-refused":
                 out.append(f"  [{r.seq}] NOT KEPT WARM: body {p.get('body')}: {p.get('reason')}")
             else:
-                from aisched_prefect.run_summary import flatten
-
                 detail = "; ".join(f"{k}={v}" for k, v in flatten(
                     {k: v for k, v in p.items() if k not in ("request", "task", "flow", "tenant")}))
                 out.append(f"  [{r.seq}] {r.kind}: {detail}")

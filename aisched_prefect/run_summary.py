@@ -12,17 +12,9 @@ from collections import defaultdict
 from typing import Any
 
 from aisched_prefect.evidence import EvidenceRecord
-from aisched_prefect.report import money_of
+from aisched_prefect.report import charged_money as _charged
 
 WARM_KINDS = ("warm-hold", "warm-idle", "warm-refused")
-
-
-def _charged(p: dict[str, Any]) -> float:
-    """Money charged by a settlement record: its first money account, as `aisched evidence show` reads it."""
-    if p.get("settlements"):
-        return money_of(p["settlements"], "charged")
-    charges = p.get("charges") or {}
-    return round(float(next(iter(charges.values()), 0.0)), 6)
 
 
 def run_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
@@ -89,22 +81,3 @@ def task_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
                     "idle charged per body": f"{idle_m / n:.6f}", "idle charged": f"{idle_m:.6f}",
                     "idle share": f"{idle_m / t['charged']:.0%}" if t["charged"] else "-"})
     return out
-
-
-def flatten(value: Any, prefix: str = "") -> list[tuple[str, str]]:
-    """A record's payload as (field, value) lines a table shows: nested objects by dotted name, never as a dict."""
-    if isinstance(value, dict):
-        out: list[tuple[str, str]] = []
-        for k, v in value.items():
-            out += flatten(v, f"{prefix}.{k}" if prefix else str(k))
-        return out
-    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        out = []
-        for i, v in enumerate(value):
-            out += flatten(v, f"{prefix}[{i}]")
-        return out
-    if isinstance(value, list):
-        return [(prefix, ", ".join(str(v) for v in value) or "-")]
-    if isinstance(value, float):
-        return [(prefix, f"{value:.6g}")]
-    return [(prefix, "-" if value is None else str(value))]
