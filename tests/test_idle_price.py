@@ -88,3 +88,24 @@ def test_an_approval_threshold_counts_the_idle_hold(cluster):
 
     assert "up to 5 min after the run" in _idle(view.model_dump())
     call.close()
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_maps_later_elements_keep_the_idle_cap(cluster):
+    """A map's later elements reuse the first element's decision (control.decisions): its idle cap comes with it."""
+    from prefect import flow
+    from prefect.context import FlowRunContext
+
+    t = tenant(cluster.plane, authority_=authority(id=f"capped-{uuid.uuid4().hex[:6]}", max_cost_per_run=0.10))
+
+    @flow(task_runner=t.runner(max_workers=6))
+    def batch():
+        return [f.result() for f in answer.map(range(6))], FlowRunContext.get().flow_run.id
+
+    results, flow_run_id = batch()
+    assert results == [x + 1 for x in range(6)]
+    holds = wait_until(lambda: [r for r in _records(cluster.plane, str(flow_run_id), "warm-hold")]
+                       if len(_records(cluster.plane, str(flow_run_id), "warm-hold")) >= 6 else None, 60,
+                       "every run's idle hold")
+    assert all(RUN + h.payload["keep_seconds"] * IDLE_RATE <= 0.10 + 1e-9 for h in holds), \
+        [h.payload["keep_seconds"] for h in holds]
