@@ -28,6 +28,33 @@ def money_of(items: list[dict[str, Any]], field: str) -> float:
     return round(sum(i[field] for i in money if i.get("budget") == first), 6)
 
 
+def charged_money(p: dict[str, Any]) -> float:
+    """Money charged by a settlement record: its first money account, as `aisched evidence show` reads it."""
+    if p.get("settlements"):
+        return money_of(p["settlements"], "charged")
+    charges = p.get("charges") or {}
+    return round(float(next(iter(charges.values()), 0.0)), 6)
+
+
+def flatten(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """A record's payload as (field, value) lines a table shows: nested objects by dotted name, never as a dict."""
+    if isinstance(value, dict):
+        out: list[tuple[str, str]] = []
+        for k, v in value.items():
+            out += flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        out = []
+        for i, v in enumerate(value):
+            out += flatten(v, f"{prefix}[{i}]")
+        return out
+    if isinstance(value, list):
+        return [(prefix, ", ".join(str(v) for v in value) or "-")]
+    if isinstance(value, float):
+        return [(prefix, f"{value:.6g}")]
+    return [(prefix, "-" if value is None else str(value))]
+
+
 def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
     """One row per attempt of each task run (a retry, or a requeue, is a row of its own): request, principal,
     grant, placement (`worker` is the worker's name, `address` where it was), reserved, charged, decision.
@@ -165,6 +192,20 @@ def _plan_line(plan: dict[str, Any]) -> str:
     return f"estimate {declared:.0f} s x {factor:.3g} (tenant history) = {planned:.0f} s planned"
 
 
+def _body_line(body: dict[str, Any]) -> str:
+    """Which process ran it: a cold start or a warm body (reused), and whether it stayed warm after."""
+    start = body.get("start") or "?"
+    what = (f"{start.upper()} start in body {body.get('id')} (its run {body.get('runs')}"
+            + (f", idle {body['idle_before']:.1f} s before" if start == "warm" and body.get("idle_before") else "") + ")")
+    return what + (f"; kept warm up to {body.get('keep', 0):.0f} s" if body.get("kept") else "; ended after the run")
+
+
+def _idle_line(idle: dict[str, Any]) -> str:
+    cut = f", cut from {idle['asked_seconds']:.0f} s to fit max_cost_per_run of {idle['capped_by']!r}" \
+        if idle.get("capped_by") else ""
+    return f"up to {idle.get('seconds', 0):.0f} s warm idle, {idle.get('cost', 0):.6f}{cut}"
+
+
 def explain(records: list[EvidenceRecord]) -> str:
     """For a person: why each task run in `records` was allowed or denied, under which chain, by whom, at what cost."""
     if not records:
@@ -192,6 +233,8 @@ def explain(records: list[EvidenceRecord]) -> str:
                     why = f"policy rule: {p.get('approval_rule') or 'none (no approval needed)'}"
                 out.append(f"  [{r.seq}] {verb} under grant chain {chain or '?'}; {why}")
                 out.extend(_held_lines(p))
+                if (p.get("idle") or {}).get("asked_seconds"):
+                    out.append(f"        price includes its idle time: {_idle_line(p['idle'])}")
             elif r.kind == "approval-consumed":
                 out.append(f"  [{r.seq}] APPROVAL USED: its one execution starts (approved by "
                            f"{', '.join(p.get('approved_by') or []) or '?'})")
@@ -222,6 +265,8 @@ def explain(records: list[EvidenceRecord]) -> str:
                 where = (f" on {place.get('name') or place.get('worker')} devices {_devices(place.get('devices'))}"
                          + (f" (Slurm job {place['slurm_job']})" if place.get("slurm_job") else "") if place else "")
                 out.append(f"  [{r.seq}] SETTLED {p.get('outcome')}{where}" + (f"; error: {p['error']}" if p.get("error") else ""))
+                if p.get("body"):
+                    out.append(f"        {_body_line(p['body'])}")
                 if place.get("queue_plan"):
                     out.append(f"        queue: {_plan_line(place['queue_plan'])}")
                 for m in place.get("members") or []:  # a multi-host run: each member
@@ -236,7 +281,17 @@ def explain(records: list[EvidenceRecord]) -> str:
                     out.append(f"        {s.get('status')} {s.get('charged', 0):.6f}{_unit(s)} on {s.get('budget')!r}, "
                                f"released {s.get('released', 0):.6f}"
                                + (f", uncovered {s['uncovered']:.6f}" if s.get("uncovered") else ""))
+            elif r.kind == "warm-hold":
+                out.append(f"  [{r.seq}] IDLE HOLD for warm body {p.get('body')} on {p.get('worker')}: up to "
+                           f"{p.get('keep_seconds', 0):.0f} s of its share")
+                out.extend(_held_lines(p))
+            elif r.kind == "warm-idle":
+                out.append(f"  [{r.seq}] IDLE SETTLED for warm body {p.get('body')}: {p.get('seconds', 0):.1f} s, "
+                           f"charged {charged_money(p):.6f} as warm-idle; ended: {p.get('ended') or '?'}")
+            elif r.kind == "warm-refused":
+                out.append(f"  [{r.seq}] NOT KEPT WARM: body {p.get('body')}: {p.get('reason')}")
             else:
-                detail = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("request", "task", "flow", "tenant"))
+                detail = "; ".join(f"{k}={v}" for k, v in flatten(
+                    {k: v for k, v in p.items() if k not in ("request", "task", "flow", "tenant")}))
                 out.append(f"  [{r.seq}] {r.kind}: {detail}")
     return "\n".join(out)

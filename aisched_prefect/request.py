@@ -54,6 +54,10 @@ class AIRequest(BaseModel):
         description="Seconds a run's body may wait warm for the next run of the same task, principal and request "
         "(its module state and loaded model kept, its device share held and its idle time charged as warm-idle); "
         "0: a fresh process per run. None: 300 for inference kinds, else 0.")
+    keep_warm_across_flow_runs: bool = Field(
+        default=False, description="Keep a body warm for the next flow run too (a service answering flow after "
+        "flow): it waits its whole keep_warm time. False: it ends once nothing of its key waits in its own flow "
+        "run (after AISCHED_WARM_LINGER_SECONDS), so a map's idle time is the tail of its work.")
 
     @field_validator("keep_warm", mode="before")
     @classmethod

@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     warm_reconcile_seconds: float = Field(
         default=60.0, gt=0, description="AISCHED_WARM_RECONCILE_SECONDS: how often the warm bodies' books are checked "
         "against what the workers report (besides at start and after a reconnect), for an end whose event was lost.")
+    warm_linger_seconds: float = Field(
+        default=2.0, ge=0, le=3600, description="AISCHED_WARM_LINGER_SECONDS: a warm body whose flow run has nothing "
+        "of its key waiting ends after idling this long, three times this while runs of its key still run in that "
+        "flow run (the tail of the work, not its keep-warm time), unless its "
+        "task asked @ai_task(keep_warm_across_flow_runs=True).")
     top_up_fraction: float = Field(default=0.5, gt=0, le=10, description="A GPU run nearing what its hold covers "
                                    "asks for this share of its est_seconds more.")
     approval_wait_seconds: float = Field(default=10.0, gt=0, description="Longest single long-poll for an answer.")

@@ -68,7 +68,9 @@ class ApprovalView(BaseModel):
     flow_run_id: str
     principal: str
     rule: str | None = None
-    est_cost: float = 0.0
+    est_cost: float = 0.0  # the run's estimate and the idle time it may leave warm (control.idle_price)
+    idle_cost: float = 0.0  # of which: its body's idle time after the run
+    idle_seconds: float = 0.0  # how long that idle time may be
     currency: str = "USD"
     request: dict[str, Any] = {}
     chain: list[str] = []

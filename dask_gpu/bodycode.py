@@ -3,8 +3,10 @@
 Two ways code reaches a worker:
 
 - **As source** (`ShippedCode`): a function or class defined at module level of a module the worker cannot import
-  by name (a flow file, a deployment's entrypoint, a project checkout) travels as the source text of that module
-  and of its own package's modules it uses, as Ray's `runtime_env` ships a working directory. The body imports
+  by name (a flow file, a deployment's entrypoint, a project checkout) travels as the source text of everything
+  the body can import of its project (dask_gpu.shiptree: a regular package whole; a flow file with what it
+  imports from its folder, inside functions too), as Ray's `runtime_env` ships a working directory; in the body
+  nothing un-shipped is imported beside it. The body imports
   them from that text (`load`) and names the callable in them, so module-level locks, clients and models are
   created on the worker, once per body, never pickled. Its digest covers every file and the callable's name, so
   the control plane can compute it from the bytes it forwards and the body checks it before running anything.
@@ -26,10 +28,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dask_gpu import shiptree
+from dask_gpu.errors import ShippedCodeTooLarge
+
 SOURCE_MAGIC = b"aisched-source/1\n"
 OWN_PACKAGES = frozenset({"dask_gpu", "aisched_prefect", "blocks"})  # what the worker runs: never shipped
-MAX_FILES = 64
-MAX_BYTES = 8 * 2**20
+MAX_FILES = 1000  # module files of one project shipped with a call: past it, ShippedCodeTooLarge
+MAX_BYTES = 8 * 2**20  # their text (a call is at most AISCHED_MAX_CALL_BYTES, 32 MiB by default)
 BODY_ATTR = "__aisched_body__"  # an @ai_task's function carries its body under this name (aisched_prefect.flow.task)
 
 
@@ -274,7 +279,12 @@ def _project_of(module: types.ModuleType, name: str) -> Callable[[types.ModuleTy
 
 def ship(fn: Any) -> ShippedCode | None:
     """`fn` as shipped source, or None where it must be pickled (a closure, a lambda, `__main__`, an installed
-    module, a module whose file cannot be read, or a name in its module that is not `fn`)."""
+    module, a module whose file cannot be read, or a name in its module that is not `fn`).
+
+    What ships is everything the body can import of the project (dask_gpu.shiptree): a task in a regular package
+    ships its top-level package whole; one in a flow file or a namespace package ships what its source imports
+    from its own folder or namespace, inside functions too, transitively. Raises ShippedCodeTooLarge past
+    MAX_FILES files or MAX_BYTES."""
     qualname = getattr(fn, "__qualname__", "") or ""
     module = sys.modules.get(getattr(fn, "__module__", "") or "")
     if not qualname or "<" in qualname or module is None or _installed(module):
@@ -287,27 +297,89 @@ def ship(fn: Any) -> ShippedCode | None:
             return None  # a script run as `python FILE`: importing it could run it all again, so it is pickled
     if unwrap(_resolve(module, qualname)) is not fn:
         return None
+    own = _source(module, name)
+    if own is None:
+        return None
+    files = _Files(name)
+    top = sys.modules.get(name.split(".", 1)[0])
+    if "." in name and top is not None and getattr(top, "__file__", None) and not _installed(top):
+        for mod, path, package in shiptree.package_files(top.__name__, list(getattr(top, "__path__", []))):
+            src = _read(mod, path, package)
+            if src is not None:
+                files.add(src)
+        if name not in files.files:
+            files.add(own)
+    else:
+        _ship_imported(module, name, own, files)
+    return ShippedCode(module=name, qualname=qualname, files=tuple(files.files.values()))
+
+
+class _Files:
+    """The files shipped so far, within the limits on what travels with every call."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.size = name, 0
+        self.files: dict[str, SourceFile] = {}
+
+    def add(self, src: SourceFile) -> None:
+        if src.module in self.files:
+            return
+        self.size += len(src.source)
+        self.files[src.module] = src
+        if len(self.files) > MAX_FILES or self.size > MAX_BYTES:
+            top = self.name.split(".", 1)[0]
+            raise ShippedCodeTooLarge(
+                f"the code of task module {self.name!r} ships as source with every call, and its project "
+                f"({top!r}) has more than {MAX_FILES} module files or {MAX_BYTES // 2**20} MiB of them "
+                f"({len(self.files)} files, {self.size} bytes so far). Fix: install the large part on the workers as "
+                f"a package (pip install), so it is the worker's environment and is not shipped, or move the task "
+                f"into a smaller package")
+
+
+def _read(module: str, path: str, package: bool) -> SourceFile | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return SourceFile(module=module, source=text, origin=os.path.abspath(path), package=package)
+
+
+def _ship_imported(module: types.ModuleType, name: str, own: SourceFile, files: _Files) -> None:
+    """A flow file's folder, or a namespace package: what the task's module imports of it, at import time or
+    inside a function (read from the source), transitively."""
+    top_name = name.split(".", 1)[0]
+    top = sys.modules.get(top_name)
+    namespace = "." in name and top is not None and hasattr(top, "__path__")
+    portions = [os.path.abspath(p) for p in getattr(top, "__path__", [])] if namespace else []
+    folder = os.path.dirname(own.origin)
     mine = _project_of(module, name)
-    files: dict[str, SourceFile] = {}
-    todo, size = [module], 0
-    parts = name.split(".")
-    todo += [m for m in (sys.modules.get(".".join(parts[:i])) for i in range(1, len(parts))) if m is not None]
-    ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
+
+    def where(candidate: str) -> tuple[str, bool] | None:
+        if candidate.split(".", 1)[0] in OWN_PACKAGES:
+            return None
+        if namespace:
+            return shiptree.find_in(candidate, portions) if candidate.split(".", 1)[0] == top_name else None
+        path = os.path.join(folder, candidate + shiptree.PY)
+        return (path, False) if "." not in candidate and os.path.isfile(path) else None
+
+    if namespace:  # the namespace itself: an empty package in the body (it has no file of its own)
+        files.add(SourceFile(module=top_name, source="", package=True))
+    todo = [own]
     while todo:
-        m = todo.pop()
-        if (name if m is module else m.__name__) in files or not (m is module or m.__name__ in ancestors or mine(m)):
+        src = todo.pop()
+        if src.module in files.files:
             continue
-        src = _source(m, name if m is module else None)
-        if src is None:
-            if m is module:
-                return None
-            continue
-        size += len(src.source)
-        if len(files) >= MAX_FILES or size > MAX_BYTES:
-            return None  # too much to ship with every call: pickled instead
-        files[src.module] = src
-        todo += [u for u in _uses(m) if u.__name__ not in files]
-    return ShippedCode(module=name, qualname=qualname, files=tuple(files.values()))
+        files.add(src)
+        names = shiptree.imported_names(src.source, src.module, src.package)
+        loaded = sys.modules.get(src.module) if src is not own else module
+        names |= {m.__name__ for m in (_uses(loaded) if loaded is not None else ()) if mine(m)}
+        for candidate in sorted(names - set(files.files)):
+            found = where(candidate)
+            if found is not None:
+                nxt = _read(candidate, *found)
+                if nxt is not None:
+                    todo.append(nxt)
 
 
 def preloads(code: ShippedCode, limit: int = 16) -> list[str]:
@@ -328,14 +400,27 @@ def shipped_modules(code: ShippedCode) -> set[str]:
 
 
 class _ShippedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports the shipped modules from their text, before anything on the worker's path of the same name."""
+    """Imports the shipped modules from their text, before anything on the worker's path of the same name, and
+    refuses what was not shipped beside them (dask_gpu.shiptree.closed): a module of a shipped package, or a plain
+    module of a shipped flow file's folder, found on the worker's path would be code nobody admitted."""
 
     def __init__(self, files: tuple[SourceFile, ...]) -> None:
         self.files = {f.module: f for f in files}
+        self.tops = frozenset(f.module.split(".", 1)[0] for f in files if "." in f.module or f.package)
+        self.folders = frozenset(os.path.dirname(f.origin) for f in files
+                                 if "." not in f.module and not f.package and f.origin)
+
+    def closed(self, name: str) -> bool:
+        return name not in self.files and shiptree.closed(name, self.tops, self.folders, OWN_PACKAGES)
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         f = self.files.get(name)
         if f is None:
+            if self.closed(name):
+                raise ModuleNotFoundError(
+                    f"module {name!r} was not shipped with this task's code, so the body does not import it from the "
+                    "worker's path. Fix: keep it in the task's package (a package ships whole) or import it from the "
+                    "task's module, or install it on the workers as a package", name=name)
             return None
         return importlib.util.spec_from_loader(name, self, origin=f.origin or None, is_package=f.package)
 
@@ -348,7 +433,7 @@ class _ShippedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         f = self.files[module.__name__]
         filename = f.origin or f"<aisched-shipped {f.module}>"
         module.__file__ = filename
-        if f.package:
+        if f.package:  # kept for data files read beside the code; an un-shipped module there is refused above
             module.__path__ = [os.path.dirname(f.origin)] if f.origin else []
         lines = f.source.splitlines(keepends=True)
         linecache.cache[filename] = (len(f.source), None, lines, filename)  # tracebacks show the shipped lines
@@ -357,9 +442,10 @@ class _ShippedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def load(code: ShippedCode) -> Any:
     """Import the shipped modules (once per process) and return the callable they name (an @ai_task's body)."""
-    for name in shipped_modules(code):
-        sys.modules.pop(name, None)  # a same-named module imported from the worker's path is not what was admitted
     finder = _ShippedFinder(code.files)
+    for name in list(sys.modules):  # a same-named module from the worker's path is not what was admitted
+        if name in finder.files or name.split(".", 1)[0] in finder.tops:
+            sys.modules.pop(name, None)
     sys.meta_path.insert(0, finder)
     module = importlib.import_module(code.module)
     obj = unwrap(_resolve(module, code.qualname))

@@ -29,3 +29,7 @@ class StopRequested(DaskGPUError):
 
 class WorkerDied(DaskGPUError):
     """The worker running a task died under it (the message names the worker and the devices lost)."""
+
+
+class ShippedCodeTooLarge(DaskGPUError, ValueError):
+    """A task's package is too large to travel with every call as source (the message names the limit and the fix)."""

@@ -121,10 +121,12 @@ def test_a_warm_body_serves_only_its_principal_and_is_evicted_for_another(cluste
     a2 = tenant(cluster.plane, authority_=authority(id="team-a-other", principal="team-a/other"),
                 principal="team-a/other")
 
+    across = score.with_options(keep_warm_across_flow_runs=True)  # A's bodies wait past A's flow run
+
     def run(who, log: Path) -> set[int]:
         @flow(task_runner=who.runner(max_workers=8))
         def batch():
-            return [f.result() for f in score.map(range(8), log=str(log))]
+            return [f.result() for f in across.map(range(8), log=str(log))]
 
         return {r["pid"] for r in batch()}
 
@@ -144,9 +146,11 @@ def test_revocation_ends_an_idle_warm_body(cluster, tmp_path):
     t = tenant(cluster.plane, authority_=authority(id="revoked-root"))
     log = tmp_path / "loads"
 
+    across = score.with_options(keep_warm_across_flow_runs=True)  # idle after its flow run, until revoked
+
     @flow(task_runner=t.runner())
     def one():
-        return score(1, str(log)), FlowRunContext.get().flow_run.id
+        return across(1, str(log)), FlowRunContext.get().flow_run.id
 
     _, flow_run_id = one()
     wait_until(lambda: len(_warm(cluster)) == 1, 30, "the body to wait warm")
@@ -221,7 +225,7 @@ def test_a_whole_gpu_run_evicts_idle_shared_bodies_of_another_key(cluster, tmp_p
     a = tenant(cluster.plane)
     b = tenant(cluster.plane, authority_=authority(id="team-b-root", principal="team-b/nightly"),
                principal="team-b/nightly")
-    long_warm = score.with_options(keep_warm=600)
+    long_warm = score.with_options(keep_warm=600, keep_warm_across_flow_runs=True)
 
     @flow(task_runner=a.runner(max_workers=8))
     def fill():

@@ -26,7 +26,7 @@ def cluster(tmp_path_factory, prefect_api):
 
 def test_warm_bodies_end_once_their_principals_flows_are_gone(cluster, tmp_path):
     t = tenant(cluster.plane)
-    long_warm = score.with_options(keep_warm=3600)
+    long_warm = score.with_options(keep_warm=3600, keep_warm_across_flow_runs=True)
 
     @flow(task_runner=t.runner(max_workers=4))
     def batch():

@@ -107,16 +107,46 @@ def evidence_show(flow_run: Optional[str] = typer.Option(None, help="Only this f
                                    ["record", "kind", "by", "what"]))
 
 
-def explain(run_id: str = typer.Argument(..., help="A flow-run or task-run id."), ledger: Optional[str] = LedgerOpt) -> None:
-    """Why that run was allowed or denied, under which grant chain, approved by whom, at what cost."""
+FIRST = 10  # task runs shown in detail (and runs in the table) unless --all
+
+
+def explain(run_id: str = typer.Argument(..., help="A flow-run or task-run id."), ledger: Optional[str] = LedgerOpt,
+            all_: bool = typer.Option(False, "--all", help="Every run and every record, not the first "
+                                      f"{FIRST} task runs.")) -> None:
+    """Why that run was allowed or denied, under which grant chain, approved by whom, at what cost. A flow run of
+    several runs (a map) is summed up first: per task its shards, cold and warm starts, bodies, idle time and
+    charge per body; then its warm bodies and its first runs (each cold or warm, and which body)."""
     from aisched_prefect.report import explain as explain_records
+    from aisched_prefect.run_summary import body_rows, run_rows, task_rows
 
     book = common.Ledger(ledger)
     records = book.records_about(run_id)
     if not records:
         common.fail(f"no evidence records for {run_id} in {book.url}",
                     "point at the control plane's ledger: AISCHED_LEDGER_URL, AISCHED_HOME, or --ledger")
-    typer.echo(explain_records(records))
+    task_runs = list(dict.fromkeys(r.task_run_id for r in records if r.task_run_id
+                                   and not r.task_run_id.startswith("warm-")))
+    runs, bodies = run_rows(records), body_rows(records)
+    if len(task_runs) > 1 or bodies:
+        console.print(common.table(f"{run_id}: {len(task_runs)} task run(s)", task_rows(records),
+                                   ["task", "shards", "cold starts", "warm starts", "fresh processes", "bodies",
+                                    "run s", "charged", "idle s per body", "idle charged per body", "idle share"]))
+        if bodies:
+            shown = bodies if all_ else bodies[:FIRST]
+            console.print(common.table(f"warm bodies ({len(shown)} of {len(bodies)})", [
+                {**b, "idle s": f"{b['idle s']:.1f}", "idle charged": f"{b['idle charged']:.6f}"} for b in shown],
+                ["body", "task", "runs", "cold", "idle periods", "idle s", "idle charged", "ended"]))
+        shown_runs = runs if all_ else runs[:FIRST]
+        console.print(common.table(f"runs ({len(shown_runs)} of {len(runs)}; money on the first account)", shown_runs,
+                                   ["record", "task run", "task", "outcome", "start", "body", "body run", "idle before",
+                                    "worker", "seconds", "charged"]))
+    keep = set(task_runs if all_ else task_runs[:FIRST])
+    detail = [r for r in records if all_ or not r.task_run_id or r.task_run_id in keep
+              or (r.task_run_id.startswith("warm-") and len(task_runs) <= FIRST)]
+    typer.echo(explain_records(detail))
+    if not all_ and len(task_runs) > FIRST:
+        typer.echo(f"... {len(task_runs) - FIRST} more task runs, and their warm bodies' idle records: "
+                   f"aisched explain {run_id} --all prints every record")
 
 
 @evidence_app.command("export")

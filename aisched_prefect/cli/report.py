@@ -74,7 +74,14 @@ def report(
         for line in json_lines(usage):
             typer.echo(json.dumps(line, sort_keys=True))
         return
-    console.print(common.table(f"AI usage by {by}", group_table(usage), [by, "runs", "GPU-hours", "tokens", "money", "uncovered"]))
+    from aisched_prefect.idle_share import IDLE, idle_table, kind_table
+
+    groups = kind_table(usage) if by == "kind" else group_table(usage)
+    console.print(common.table(f"AI usage by {by}", groups, [by, "runs", "GPU-hours", "tokens", "money", "uncovered"]))
+    if any(r.kind == IDLE for r in usage.runs):  # idle time of warm bodies, beside the work that left them warm
+        console.print(common.table("warm bodies' idle time, beside the work it served", idle_table(usage.runs),
+                                   ["work kind", "runs", "work money", "idle periods", "idle seconds", "idle money",
+                                    "idle share"]))
     console.print(common.table("budgets" + (" touched" if flow_run else ""), budget_table(usage.budgets),
                                ["budget", "period", "unit", "limit", "posted", "held", "remaining", "used", "in report"]))
     console.print("money: what the ledger posted, in each budget block's currency, rounded to the cent for display")

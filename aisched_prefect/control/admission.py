@@ -49,6 +49,8 @@ class Admission(BaseModel):
     versions: dict[str, str] = {}
     approval: str | None = None
     approval_digest: str | None = None
+    keep_warm_seconds: float | None = None  # its body's keep-warm time, cut to fit max_cost_per_run (None: as asked)
+    idle_cost: float = 0.0  # what that idle time may cost: part of its price (control.idle_price)
 
     @property
     def authority(self) -> str | None:

@@ -43,6 +43,15 @@ SECURITY_HEADERS = {
 }
 
 
+def _idle(view: dict[str, Any]) -> str:
+    """The idle time the run may leave warm after it, and its price (part of the estimated cost)."""
+    seconds, cost = float(view.get("idle_seconds") or 0.0), float(view.get("idle_cost") or 0.0)
+    if seconds <= 0:
+        return "none (its body ends with the run)"
+    return (f"up to {duration_in_words(seconds)} after the run, {cost:.4f} {view['currency']} "
+            "(charged only for the time it waits: it ends once nothing of its key waits)")
+
+
 def _request(view: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in view["request"].items() if v not in (None, 0, 0.0, False))
 
@@ -91,6 +100,7 @@ def approval_page(view: dict[str, Any], left: str = "", others: list[dict[str, A
              "the exact arguments by digest</span>"),
             ("GPUs", esc(gpus_in_words(req))), ("expected runtime", esc(runtime or "-")),
             ("estimated cost", esc(f"{view['est_cost']:.4f} {view['currency']}")),
+            ("of which warm idle", esc(_idle(view))),
             ("budget left after the hold", esc(left or "-")), ("principal", esc(view["principal"])),
             ("grant chain", esc(" -> ".join(view["chain"]))), ("request", esc(_request(view))),
             ("rule", esc(str(view["rule"]))), ("who may approve", esc(who_may_approve(view.get("approvers") or []))),

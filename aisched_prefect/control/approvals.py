@@ -114,7 +114,9 @@ class ApprovalBook:
         view = ApprovalView(
             id=approval_id, status="pending", digest=request_digest(call_digest, approval_id),
             task_name=admission.task_name, task_run_id=admission.task_run_id, flow_run_id=admission.flow_run_id,
-            principal=admission.principal, rule=payload.get("approval_rule"), est_cost=admission.reserved,
+            principal=admission.principal, rule=payload.get("approval_rule"),
+            est_cost=admission.reserved + admission.idle_cost, idle_cost=admission.idle_cost,
+            idle_seconds=admission.keep_warm_seconds or 0.0,
             currency=currency, request=admission.request.model_dump(mode="json"), chain=admission.chain,
             deadline=time.time() + timeout, timeout_seconds=timeout,
             approvals_required=payload.get("approvals_required", 1),

@@ -63,7 +63,7 @@ class Decisions:
         d = kept.case
         assert d.estimate is not None
         return replace(case, workers=d.workers, types=d.types, estimate=d.estimate, facts=d.facts, chain=d.chain,
-                       priority=d.priority, outcome=d.outcome, decided=case.decided | SHARED,
+                       priority=d.priority, idle=d.idle, outcome=d.outcome, decided=case.decided | SHARED,
                        payload={**case.payload, **kept.said, "decided_with": kept.decided_with})
 
     def keep(self, snap: Snapshot, case: Case) -> None:
@@ -80,5 +80,5 @@ class Decisions:
             if len(self._kept) >= MAX_DECISIONS:
                 self._kept.clear()
             said = {k: case.payload[k] for k in ("estimate", "grant", "chain", "grant_versions", "priority",
-                                                 "approval_rule")}
+                                                 "approval_rule", "idle") if k in case.payload}
             self._kept[key] = _Kept(snap, until, case.meta.task_run_id, case, said)

@@ -33,6 +33,7 @@ from aisched_prefect.control.settlement import Settlement
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.control.warm import WarmBooks, warm_key
+from aisched_prefect.control.warm_tail import WarmTail
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.settings import Settings
 from aisched_prefect.wire import Reply
@@ -64,10 +65,25 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
                               patience=self.settle_patience())
         self.warm.load()  # the idle bodies booked before this plane started (its earlier life, another replica)
         client.subscribe_topic(WARM_TOPIC, self.warm.on_event)  # a worker ended a warm body: settle its idle time
+        self.warm_tail = WarmTail(self.warm, self._waiting_by_key, lambda: self.settings.warm_linger_seconds)
         # Runs waiting in the cluster's queue: answered on the client's stream (no thread, no connection each).
         self._entered: dict[str, tuple[Running, Callable[[Placement | None], None]]] = {}
         self._calls: set[str] = set()  # call keys this replica follows, queued or running
         client._stream_handlers[PLACED_STREAM_OP] = self._on_placed
+
+    def _waiting_by_key(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """Runs by (warm key, flow run): (not placed yet, placed and not ended): what an idle body of that key may
+        still serve, and whether its flow run's work of that key goes on (control.warm_tail)."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        with self.lock:
+            states = list(self.running.values())
+        for r in states:
+            if r.stop_reason is not None or r.settled:
+                continue
+            k = (warm_key(r.admission), r.admission.flow_run_id)
+            waiting, busy = out.get(k, (0, 0))
+            out[k] = (waiting + 1, busy) if not r.placed and r.started_at is None else (waiting, busy + 1)
+        return out
 
     def inventories(self, fresh: bool = False) -> dict[str, WorkerInventory]:
         """The workers' inventories (at most inventory_ttl_seconds old). With the scheduler gone, feasibility

@@ -26,6 +26,7 @@ from aisched_prefect.control.capacity import joined_only
 from aisched_prefect.control.admission import Admission, mark_version_seen, version_scope
 from aisched_prefect.control.approvals import ApprovalBook, announce
 from aisched_prefect.control.identity import Credential
+from aisched_prefect.control.idle_price import IdlePrice, idle_price
 from aisched_prefect.control.state import AuthorityState, Snapshot
 from aisched_prefect.errors import AdmissionDenied, InvalidLedgerInput
 from aisched_prefect.evidence import EvidenceRecord
@@ -72,6 +73,7 @@ class Case:
     workers: list[str] = field(default_factory=list)
     types: list[str] = field(default_factory=list)
     estimate: CostEstimate | None = None
+    idle: IdlePrice | None = None  # the idle time it may leave warm, cut to fit max_cost_per_run (control.idle_price)
     facts: RunFacts | None = None
     chain: list[Grant] = field(default_factory=list)
     priority: int = 0
@@ -120,6 +122,7 @@ class Phases:
         self.ledger, self.state, self.inventories, self.approvals = ledger, state, inventories, approvals
         self.before_asking = before_asking  # may refuse a new request for a person (raises)
         self.versions_seen: set[tuple[str, str]] = set()
+        self.max_keep_warm = _max_keep_warm()
 
     def configuration(self, snap: Snapshot, case: Case) -> Case:
         """The applied blocks the credential binds the call to; fail closed on a broken evidence log."""
@@ -172,13 +175,17 @@ class Phases:
         if case.prior is not None:  # admitted before: its chain must still hold; what it was admitted with stands
             return replace(case, chain=chain)
         priority = min([case.request.priority, *(g.max_priority for g in chain)])
-        return replace(case, chain=chain, priority=priority, payload={**case.payload, **chained(chain, priority)})
+        assert case.estimate is not None
+        idle = idle_price(case.bound.budget.model, case.request, case.types, case.estimate.amount, chain,
+                          self.max_keep_warm)
+        return replace(case, chain=chain, priority=priority, idle=idle,
+                       payload={**case.payload, **chained(chain, priority), "idle": idle.model_dump()})
 
     def approval(self, snap: Snapshot, case: Case) -> Case:
         """What the policy says: approve, deny (refused), or ask a person (a new request, or the answer already on
         file for a re-run of a suspended run, which ends the call here with nothing more held)."""
         assert case.bound is not None and case.facts is not None and case.meta is not None and case.cred
-        outcome = stages.policy(case.bound, case.facts)
+        outcome = stages.policy(case.bound, with_idle(case))  # the price a rule reads includes the idle time
         case = replace(case, outcome=outcome, payload={**case.payload, "approval_rule": outcome.rule if outcome else None})
         if not case.asking:
             return case
@@ -286,6 +293,27 @@ class Phases:
         return True
 
 
+def _max_keep_warm() -> float:
+    """The plane's AISCHED_MAX_KEEP_WARM_SECONDS (what a run may keep its body warm at most)."""
+    from aisched_prefect.settings import Settings
+
+    try:
+        return Settings().max_keep_warm_seconds
+    except Exception:  # a bad setting is reported where the plane reads its settings; price the most then
+        return float("inf")
+
+
+def with_idle(case: Case) -> RunFacts:
+    """The run's facts with its price including the idle time it may leave (never past its grants' cap)."""
+    assert case.facts is not None
+    if case.idle is None or not case.idle.cost:
+        return case.facts
+    total = (case.facts.est_cost or 0.0) + case.idle.cost
+    if case.idle.capped_by is not None:
+        total = min(total, min(g.max_cost_per_run for g in case.chain))
+    return case.facts.model_copy(update={"est_cost": total})
+
+
 def chained(chain: list[Grant], priority: int) -> dict[str, Any]:
     """What an admission's record says of its chain and priority."""
     return {"grant": chain[-1].id, "chain": [g.id for g in chain],
@@ -304,4 +332,6 @@ def admitted(case: Case, shares: dict[str, float], held: list[Hold], record: Evi
         priced_type=case.estimate.gpu_type_priced, chain=case.payload["chain"],
         expires_at=stages.earliest_expiry(case.chain), facts=case.facts, shares=shares, priority=case.priority,
         payload_digest=case.digests["payload"], code_digest=meta.code_digest, function_digest=case.digests["function"],
-        versions=case.bound.versions, approval=case.approval_id, approval_digest=case.payload.get("approval_digest"))
+        versions=case.bound.versions, approval=case.approval_id, approval_digest=case.payload.get("approval_digest"),
+        keep_warm_seconds=case.idle.seconds if case.idle is not None else None,
+        idle_cost=case.idle.cost if case.idle is not None else 0.0)

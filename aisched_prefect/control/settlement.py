@@ -33,7 +33,8 @@ class Settlement:
         req = adm.request
         if not self.queue or req.preemptible or (req.hosts or 1) > 1 or req.gpus <= 0:
             return 0.0
-        return min(req.keep_warm_seconds, self.settings.max_keep_warm_seconds)
+        keep = min(req.keep_warm_seconds, self.settings.max_keep_warm_seconds)
+        return keep if adm.keep_warm_seconds is None else min(keep, adm.keep_warm_seconds)  # cut to fit its cap
 
     def _bound(self, admission: Admission) -> stages.Bound:
         snap = self.state.snapshot
@@ -135,6 +136,8 @@ class Settlement:
             **(result_evidence(out.value, out.result) if out.ok else {})})
         if out.body is not None and not members:  # a warm body's idle time: booked, and the one before settled
             self.warm.started(adm, out.body.model_dump(), run.gpu_type, run.worker)
+            if out.body.kept and not adm.request.keep_warm_across_flow_runs:
+                self.warm_tail.after()  # it ends once nothing of its key waits in its flow run (control.warm_tail)
         if stopped == "preempted":
             logger.warning("AI task %s was preempted after %.1fs to give tenant %r its quota back; charged for that "
                            "and queued again", adm.task_name, run.seconds, state.preempted_for)

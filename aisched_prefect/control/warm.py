@@ -284,6 +284,21 @@ class WarmBooks:
         for p in periods:
             self.ended(p.body, p.runs, p.idle_at(), "the control plane stopped")
 
+    def idle_periods(self) -> list[WarmIdle]:
+        """The idle periods now (a copy), for what decides when a body ends (control.warm_tail)."""
+        with self._lock:
+            return [p for p in self._idle.values() if p.body not in self._ending]
+
+    def end_idle(self, bodies: list[str], why: str) -> list[str]:
+        """Ask the workers to end these bodies, each once, if still idle (a run that took one keeps it)."""
+        with self._lock:
+            idle = {p.body for p in self._idle.values()}
+            asked = [b for b in bodies if b in idle and b not in self._ending]
+            self._ending.update(asked)
+        if asked:
+            self._end_bodies(asked, why)
+        return asked
+
     def idle_count(self) -> int:
         with self._lock:
             return len(self._idle)

@@ -101,6 +101,7 @@ def ai_task(
     preemptible: bool = False,
     hosts: int | None = None,
     keep_warm: float | timedelta | None = None,
+    keep_warm_across_flow_runs: bool = False,
     **task_options: Any,
 ) -> Any:
     """Declare an AI task: what it needs (GPUs, memory, type), what it is, what it will cost.
@@ -121,13 +122,16 @@ def ai_task(
     level or in a callable class's `__init__`), its device share and its UID; its idle time is charged as
     `warm-idle`. Default: 5 minutes for kinds `inference`, `batch-inference` and `embedding`, else 0 (a fresh
     process per run). A class with `__call__` may be decorated too: constructed once per body, called per run.
+    A body ends as soon as nothing of its key waits in its own flow run (after `AISCHED_WARM_LINGER_SECONDS`, 2 s),
+    so a map's idle time is the tail of its work; `keep_warm_across_flow_runs=True` keeps it its whole `keep_warm`
+    time for the next flow run too.
 
     Other keyword arguments (name, retries, tags, ...) go to `prefect.task`.
     """
     request = AIRequest.build(
         kind=kind, gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_type=gpu_type, model=model,
         est_seconds=est_seconds, est_tokens=est_tokens, priority=priority, preemptible=preemptible, hosts=hosts,
-        keep_warm=keep_warm,
+        keep_warm=keep_warm, keep_warm_across_flow_runs=keep_warm_across_flow_runs,
     )
 
     def decorate(fn: Callable[..., Any]) -> Task[Any, Any]:
