@@ -127,7 +127,7 @@ def test_a_map_larger_than_its_budget_runs_the_shards_that_fit_and_refuses_the_r
     names = {r.payload["shard_index"]: r.payload["shard"] for r in denials}
     for i in refused:  # each refused shard named by its task run's name (as Prefect shows it) and its index
         said = str(states[i].result(raise_on_failure=False))
-        assert re.fullmatch(r"held-\d+", names[i]) and f"shard {names[i]!r} (#{i} of 6) of the map: budget" in said, said
+        assert re.fullmatch(r"held-[0-9a-f]+", names[i]) and f"shard {names[i]!r} (#{i} of 6) of the map: budget" in said, said
     assert all(r.payload["stage"] == "budget" for r in denials)
 
 
