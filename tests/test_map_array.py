@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from prefect import flow
+from prefect import flow, task
 from prefect.context import FlowRunContext
 
 from aisched_prefect import ai_task
@@ -183,3 +183,25 @@ def test_a_rejected_map_denies_every_shard_and_releases_every_hold(control_plane
     (account,) = accounts_of(control_plane, t)
     assert account["pending"] == 0 and account["posted"] == 0
     assert [r.kind for r in g.records()].count("admission") == 0
+
+
+@task
+def later(i: int) -> int:
+    time.sleep(3.0 * i)  # the shards that wait on it reach the plane seconds apart
+    return i
+
+
+def test_a_maps_shards_that_reach_the_plane_seconds_apart_still_share_one_decision(control_plane):
+    """Calls that are not one map share a decision for 2 s; the shards of one map share it for the array's life."""
+    t = tenant(control_plane)
+
+    @flow(task_runner=t.runner())
+    def batch():
+        return [f.result() for f in shard.map([later.submit(i) for i in range(3)])], str(FlowRunContext.get().flow_run.id)
+
+    out, run = batch()
+    assert out == [0, 2, 4]
+    admissions = sorted((r for r in control_plane.records(run) if r.kind == "admission"), key=lambda r: r.ts)
+    assert admissions[-1].ts - admissions[0].ts > 2.5  # they did arrive seconds apart
+    decided = [r.payload.get("decided_with") for r in admissions]
+    assert decided.count(None) == 1, decided
