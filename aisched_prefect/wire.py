@@ -33,6 +33,18 @@ def unframe(data: bytes) -> tuple[bytes, bytes]:
     return data[_LEN.size:_LEN.size + n], data[_LEN.size + n:]
 
 
+class MapShard(BaseModel):
+    """Which shard of which `.map()` a call is: the flow says so, the control plane shares one decision (and one
+    approval) only among calls that are the same request in all but their arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(pattern=r"^[0-9a-f]{32}$")  # one per `.map()` call, random
+    index: int = Field(ge=0)
+    size: int | None = Field(default=None, ge=1)  # its shards, where the flow knew them before submitting
+    name: str = Field(default="", max_length=200)  # the shard's task run name, e.g. "infer-7": how refusals name it
+
+
 class CallMeta(BaseModel):
     """One call of an AI task, as the flow process describes it. Nothing here is trusted for authority:
     who calls comes from the credential, what it may do from the control plane's applied configuration."""
@@ -55,6 +67,8 @@ class CallMeta(BaseModel):
     parameters: dict[str, Annotated[str, Field(max_length=200)]] = Field(default_factory=dict, max_length=32)
     """A short text of each argument, for the approver to read (what the flow says; the approval binds the arguments'
     bytes by digest)."""
+    array: MapShard | None = None
+    """The `.map()` this call is a shard of (a job array: one decision, one approval for all its shards), or None."""
 
 
 class ApprovalView(BaseModel):

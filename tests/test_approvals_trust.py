@@ -305,7 +305,9 @@ def test_a_suspended_request_is_one_entry_across_re_runs_and_leaves_the_list_at_
 
 
 def mapped(lrs):
-    return lambda: [outcome(f.result) for f in finetune.map(lrs)]
+    """Calls submitted one by one, each asking on its own (a `.map()` asks once for all its shards:
+    tests/test_map_array.py); one answer can cover them together."""
+    return lambda: [outcome(f.result) for f in [finetune.submit(lr) for lr in lrs]]
 
 
 def test_a_map_asks_once_for_the_batch_and_records_a_decision_per_item(control_plane):

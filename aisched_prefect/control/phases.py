@@ -224,7 +224,8 @@ class Phases:
             held, record = self.ledger.reserve(
                 stages.lines(case.bound, case.facts, usage, shares, self.ledger.now()),
                 kind="approval-requested" if case.asking else "admission",
-                payload={**case.payload, "approval": "pending" if case.asking else "not required"}, **case.ids,
+                payload={**case.payload, "approval": "pending" if case.asking
+                         else case.payload.get("approval", "not required")}, **case.ids,
                 also=file_with_holds)
         except BudgetExceeded as exc:
             raise AdmissionDenied("budget", str(exc), f"an operator raises the limit of {exc.budget!r} in budget "

@@ -15,7 +15,7 @@ from aisched_prefect.control.capacity import waits_for_capacity
 from aisched_prefect.control.running import BodyParts, Placement, Preempted, Running, _crashed
 from aisched_prefect.control.warm import warm_key
 from aisched_prefect.wire import Reply
-from dask_gpu import request_stop
+from dask_gpu import StopRequested, request_stop
 from dask_gpu.queue_plugin import ENTER_STREAM_OP, LEAVE_STREAM_OP
 
 logger = logging.getLogger("aisched_prefect.control")
@@ -109,6 +109,10 @@ class Queueing:
                 return
             self.launch(again, body, admitter, done)
             return
+        except StopRequested as exc:  # stopped as it was handed to its worker (a revocation): said as a stop, why
+            reply = (Reply(status="stopped", admission=admission.id, reason=f"{state.stop_reason} ({exc})")
+                     if state.stop_reason else _crashed(admission, exc))
+            out = b""
         except BaseException as exc:  # noqa: BLE001
             reply, out = _crashed(admission, exc), b""
         done(reply, out)

@@ -78,6 +78,7 @@ class PauseDesk:
         """`session`: the flow run's RunnerSession (its `client` is what the desk talks to)."""
         self.session = session
         self._waiting: dict[str, ApprovalView] = {}
+        self._sharers: dict[str, int] = {}  # how many runs wait on each request (a map's shards share one)
         self._lock = threading.Lock()
         self._leading = False
         self._stop = threading.Event()
@@ -90,11 +91,15 @@ class PauseDesk:
     # -- one run's wait ---------------------------------------------------------------------------
     def wait(self, view: ApprovalView, *, deployment: bool = False) -> ApprovalView:
         client = self.session.client
-        say_waiting(view)
         if deployment:
+            say_waiting(view)
             return self._suspend(view)
-        with self._lock:
+        with self._lock:  # the shards of a `.map()` wait on the map's one request: said once, withdrawn once
+            sharers = self._sharers[view.id] = self._sharers.get(view.id, 0) + 1
             self._waiting[view.id] = view
+        if sharers == 1:
+            say_waiting(view)
+        with self._lock:
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, name="aisched-approval-signals", daemon=True)
                 self._watcher.start()
@@ -120,7 +125,10 @@ class PauseDesk:
                     client.approval(view.id, wait=2.0)
         finally:
             with self._lock:
-                self._waiting.pop(view.id, None)
+                self._sharers[view.id] -= 1
+                if not self._sharers[view.id]:
+                    del self._sharers[view.id]
+                    self._waiting.pop(view.id, None)
 
     def interrupt(self, why: str) -> None:
         """Ctrl-C or SIGTERM, called from the signal handler in the main thread: the desk's watcher withdraws at

@@ -21,7 +21,7 @@ from aisched_prefect.errors import ConfigurationError, NoAdmissionContext
 from aisched_prefect.flow.session import RunnerSession
 from aisched_prefect.flow.signals import WHY, StopSignals
 from aisched_prefect.flow.stream import LoopThread
-from aisched_prefect.flow.taskcontext import AdmittingRunner
+from aisched_prefect.flow.taskcontext import MAP_SHARD, MAPPING, AdmittingRunner
 
 
 class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
@@ -131,7 +131,27 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
             loop = self._calls_loop()
         task_run_id = uuid7()
         coro = _run_ai_task(loop, async_twin(task), task_run_id, parameters, wait_for, dependencies)
-        return PrefectConcurrentFuture(task_run_id=task_run_id, wrapped_future=loop.start(coro, copy_context()))
+        context = copy_context()
+        mapping = MAPPING.get()
+        if mapping is not None:  # a shard of the `.map()` being submitted: the plane admits the map as one array
+            context.run(MAP_SHARD.set, (mapping[0], next(mapping[2]), mapping[1]))
+        return PrefectConcurrentFuture(task_run_id=task_run_id, wrapped_future=loop.start(coro, context))
+
+    def map(self, task: Any, parameters: dict[str, Any], wait_for: Any = None) -> Any:
+        """Prefect's `map` (a submit per shard); an AI task's shards are told they are one array (a random id, each
+        shard's index, the map's size), so the control plane decides, and asks a person, once for all of them."""
+        from aisched_prefect.flow.task import request_of
+
+        if request_of(task) is None:
+            return super().map(task, parameters, wait_for)
+        import itertools
+        import uuid
+
+        token = MAPPING.set((uuid.uuid4().hex, map_size(parameters), itertools.count()))
+        try:
+            return super().map(task, parameters, wait_for)
+        finally:
+            MAPPING.reset(token)
 
     def __enter__(self) -> AISchedTaskRunner:
         super().__enter__()
@@ -178,6 +198,23 @@ class AISchedTaskRunner(ThreadPoolTaskRunner, AdmittingRunner):
         state.pop("_lock", None)
         state.pop("_signals", None)
         return state
+
+
+def map_size(parameters: dict[str, Any]) -> int | None:
+    """How many shards a `.map()` over these parameters makes, where a mapped parameter says so without being
+    resolved (a list, a range); None where none does (futures: Prefect resolves them in its `map`)."""
+    from prefect.utilities.annotations import allow_failure, quote, unmapped
+
+    for value in parameters.values():
+        if isinstance(value, (allow_failure, quote)):
+            value = value.unwrap()
+        if isinstance(value, unmapped) or isinstance(value, (str, bytes, dict)):
+            continue
+        try:
+            return len(value) or None
+        except TypeError:
+            continue
+    return None
 
 
 def stopped_by(exc_type: Any) -> str:

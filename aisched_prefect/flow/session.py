@@ -124,6 +124,7 @@ class RunnerSession:
         self.flow_run_ids: set[str] = set()
         self._pickles: dict[Any, tuple[bytes, list[str], str]] = {}
         self._pickle_lock = threading.Lock()
+        self._hooked: set[str] = set()  # approval requests whose hook was called
         env = settings()
         urls = [u.strip().rstrip("/") for u in config.control_plane.split(",")] if config.control_plane else env.control_plane_urls()
         token = config.credential or (env.token.get_secret_value() if env.token else None)
@@ -207,17 +208,18 @@ class RunnerSession:
     # -- one call -------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             task_name: str, task_run_id: str, flow_run_id: str, flow_name: str | None = None,
-            run_key: str | None = None, deployment: bool = False, attempt: int = 1) -> Any:
+            run_key: str | None = None, deployment: bool = False, attempt: int = 1,
+            array: dict[str, Any] | None = None) -> Any:
         """Admit one call of an AI task at the control plane, run it on its devices there, return its result
         (waiting in this thread: a direct call in the flow; submitted runs wait as coroutines, `run_async`)."""
         return self.loop.run(self.run_async(fn, request, args, kwargs, task_name=task_name, task_run_id=task_run_id,
                                             flow_run_id=flow_run_id, flow_name=flow_name, run_key=run_key,
-                                            deployment=deployment, attempt=attempt))
+                                            deployment=deployment, attempt=attempt, array=array))
 
     async def run_async(self, fn: Callable[..., Any], request: AIRequest, args: tuple[Any, ...],
                         kwargs: dict[str, Any], *, task_name: str, task_run_id: str, flow_run_id: str,
                         flow_name: str | None = None, run_key: str | None = None, deployment: bool = False,
-                        attempt: int = 1) -> Any:
+                        attempt: int = 1, array: dict[str, Any] | None = None) -> Any:
         """`run`, as a coroutine on the session's loop: a waiting run holds no thread and no connection."""
         self.flow_run_ids.add(flow_run_id)
         fn_bytes, modules, digest = self._pickled(fn)
@@ -227,7 +229,7 @@ class RunnerSession:
                         code_digest=digest, modules=modules,
                         args_offset=len(fn_bytes), grant=self.config.grant, attempt=attempt,
                         parameters=parameters_summary(fn, args, kwargs),
-                        approver="policy" if self.config.approver == "policy" else "pause")
+                        approver="policy" if self.config.approver == "policy" else "pause", array=array)
         slot = ENGINE_SLOT.get()
         if slot is not None:  # waiting on the plane: the engine's turn at the Prefect API goes to another run
             slot.release()
@@ -238,7 +240,9 @@ class RunnerSession:
                 await slot.acquire()
         while reply.status == "approval-pending":
             assert reply.approval is not None
-            await asyncio.to_thread(as_sync(self._hook), reply.approval)
+            if reply.approval.id not in self._hooked:  # a map's shards wait on one request: its hook is told once
+                self._hooked.add(reply.approval.id)
+                await asyncio.to_thread(as_sync(self._hook), reply.approval)
             view = await asyncio.to_thread(as_sync(self._desk.wait), reply.approval, deployment=deployment)
             reply, out = await self.stream.call(meta.model_copy(update={"admission": view.id}), fn_bytes, args_bytes)
         return self._result(reply, out, task_name)

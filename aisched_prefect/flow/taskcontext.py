@@ -7,7 +7,9 @@ call) reaches `as_sync` here.
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,6 +17,13 @@ from aisched_prefect.errors import NoAdmissionContext
 from aisched_prefect.logs import quiet_expected_outcomes
 
 R = TypeVar("R")
+
+# The `.map()` being submitted (its id, its size where known, a counter of its shards): set by the runner's `map`.
+MAPPING: contextvars.ContextVar[tuple[str, int | None, itertools.count] | None] = contextvars.ContextVar(
+    "aisched_mapping", default=None)
+# The shard of a `.map()` an AI task run is (the map's id, this shard's index, the map's size): set per submitted run.
+MAP_SHARD: contextvars.ContextVar[tuple[str, int, int | None] | None] = contextvars.ContextVar(
+    "aisched_map_shard", default=None)
 
 
 class AdmittingRunner:
@@ -40,7 +49,10 @@ def call_context(fn: Callable[..., Any]) -> tuple[Any, dict[str, Any]]:
             "@flow(task_runner=AISchedTaskRunner(principal=..., authority=..., budget=...))"
         )
     quiet_expected_outcomes()
-    return runner, dict(
+    shard = MAP_SHARD.get()
+    array = (None if shard is None else
+             {"id": shard[0], "index": shard[1], "size": shard[2], "name": str(task_ctx.task_run.name)[:200]})
+    return runner, dict(array=array, 
         task_name=task_ctx.task.name, task_run_id=str(task_ctx.task_run.id), flow_run_id=str(flow_ctx.flow_run.id),
         flow_name=flow_ctx.flow.name if flow_ctx.flow else None,
         run_key=f"{flow_ctx.flow_run.id}/{task_ctx.task_run.task_key}",

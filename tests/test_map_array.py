@@ -1,0 +1,207 @@
+"""A `.map()` of an AI task is one job array: decided once, asked once, each shard still its own run.
+
+The flow marks the shards of one `.map()` as one array (`CallMeta.array`); the control plane takes the array's
+decision once (configuration, feasibility, pricing, authority, the approval rule: control/decisions.py), and where
+the policy asks a person the first shard's request is the whole map's. Each shard still holds its own budget, and
+is admitted, settled and recorded on its own. A shard the budget cannot cover is refused by name; a revocation
+stops the array's running shard and admits none of its waiting ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+from prefect.context import FlowRunContext
+
+from aisched_prefect import ai_task
+from blocks import ApprovalPolicyBlock, ApprovalRule
+from tests.approval_helpers import Gated, outcome, page_answer
+from tests.helpers import authority, budget, tenant, wait_until
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+@ai_task(gpus=0.25, kind="inference", est_seconds=5)
+def shard(i):
+    return i * 2
+
+
+@ai_task(gpus=1, gpu_type="H100", kind="training", est_seconds=30)
+def tune(lr: float = 0.1):
+    return f"tuned at {lr}"
+
+
+@ai_task(gpus=1, gpu_type="A10", kind="inference", est_seconds=360)
+def held(i: int, flag: str) -> int:
+    """Runs until `flag` exists: its hold stays taken, and the cluster's one A10 keeps the others queued."""
+    deadline = time.time() + 120
+    while not os.path.exists(flag) and time.time() < deadline:
+        time.sleep(0.05)
+    return i
+
+
+def test_a_map_is_decided_once_and_each_shard_is_admitted_settled_and_recorded(control_plane):
+    t = tenant(control_plane)
+
+    @flow(task_runner=t.runner())
+    def batch():
+        return [f.result() for f in shard.map(range(16))], str(FlowRunContext.get().flow_run.id)
+
+    out, run = batch()
+    assert out == [i * 2 for i in range(16)]
+    records = control_plane.records(run)
+    admissions = [r for r in records if r.kind == "admission"]
+    settlements = [r for r in records if r.kind == "settlement"]
+    assert len({r.task_run_id for r in admissions}) == 16 == len(admissions)
+    assert {r.task_run_id for r in settlements} == {r.task_run_id for r in admissions} and len(settlements) == 16
+    decided = [r.payload.get("decided_with") for r in admissions]
+    assert decided.count(None) == 1, decided  # one decision for the whole map, however its shards raced
+    (first,) = [r.task_run_id for r in admissions if r.payload.get("decided_with") is None]
+    assert set(decided) - {None} == {first}
+    holds = [h["id"] for r in admissions for h in r.payload["holds"]]
+    assert len(set(holds)) == 16  # each shard still holds its own budget
+
+
+def test_a_map_asks_a_person_once_for_all_its_shards(control_plane):
+    policy = ApprovalPolicyBlock(rules=[ApprovalRule(name="tuning-needs-a-person", kinds=["training"])],
+                                 timeout_seconds=120)
+    t = tenant(control_plane, policy=policy)
+    g = Gated(t, lambda: [outcome(f.result) for f in tune.map([0.1, 0.2, 0.3, 0.4])])
+    (view,) = g.waiting(1)
+    g.paused()
+    time.sleep(1.0)  # the other shards have reached the plane by now: none of them asked on its own
+    others = [v for v in control_plane.ok("GET", "/v1/approvals") if v["flow_run_id"] == g.flow_run_id
+              and v["id"] != view.id]
+    assert others == []
+    assert view.parameters["map"].startswith("4 shards, one approval for all")
+    alice = control_plane.approver("alice", t.authority)
+    assert "Recorded: alice approved" in page_answer(control_plane, view.id, alice)
+    assert g.outcome() == ["tuned at 0.1", "tuned at 0.2", "tuned at 0.3", "tuned at 0.4"]
+    records = g.records()
+    kinds = [r.kind for r in records]
+    assert kinds.count("approval-requested") == 1 and kinds.count("approval") == 1
+    admissions = [r for r in records if r.kind == "admission"]
+    settlements = [r for r in records if r.kind == "settlement"]
+    assert len({r.task_run_id for r in admissions}) == 4 and len({r.task_run_id for r in settlements}) == 4
+    shared = [r for r in admissions if r.payload.get("map_approval") == view.id]
+    assert len(shared) == 3 and all("alice" in r.payload["approval"] for r in shared)
+    assert g.pauses() == 1
+
+
+def test_a_map_larger_than_its_budget_runs_the_shards_that_fit_and_refuses_the_rest_by_name(control_plane, tmp_path):
+    # 0.1 per shard (one A10 hour at 1.0 for 360 s): a limit of 0.35 covers three shards' holds at once.
+    t = tenant(control_plane, budget_=budget(limit=0.35))
+    flag = str(tmp_path / "go")
+    got: dict = {}
+
+    @flow(task_runner=t.runner())
+    def batch():
+        got["run"] = str(FlowRunContext.get().flow_run.id)
+        futures = held.map(range(6), flag=flag)
+        for f in futures:
+            f.wait()
+        return [f.state for f in futures], got["run"]
+
+    runner = threading.Thread(target=lambda: got.setdefault("out", batch()))
+    runner.start()
+    try:  # the refusals come while the three that fit still hold their budget (none can end before the flag)
+        wait_until(lambda: "run" in got and sum(r.kind == "denial" for r in control_plane.records(got["run"])) >= 3,
+                   120, what="three shards refused")
+    finally:
+        Path(flag).touch()
+        runner.join(timeout=300)
+    states, run = got["out"]
+    done = [i for i, s in enumerate(states) if s.is_completed()]
+    refused = [i for i, s in enumerate(states) if not s.is_completed()]
+    assert len(done) == 3 and len(refused) == 3, states
+    assert [states[i].result() for i in done] == done
+    denials = [r for r in control_plane.records(run) if r.kind == "denial"]
+    assert sorted(r.payload["shard_index"] for r in denials) == refused
+    names = {r.payload["shard_index"]: r.payload["shard"] for r in denials}
+    for i in refused:  # each refused shard named by its task run's name (as Prefect shows it) and its index
+        said = str(states[i].result(raise_on_failure=False))
+        assert re.fullmatch(r"held-[0-9a-f]+", names[i]) and f"shard {names[i]!r} (#{i} of 6) of the map: budget" in said, said
+    assert all(r.payload["stage"] == "budget" for r in denials)
+
+
+def test_a_revocation_stops_the_running_shard_within_a_second_and_admits_none_of_the_waiting(control_plane, tmp_path):
+    root = f"root-{uuid.uuid4().hex[:8]}"  # revocations are global: this test's own root
+    t = tenant(control_plane, authority_=authority(id=root))
+    flag = str(tmp_path / "never")
+    got: dict = {}
+
+    @flow(task_runner=t.runner())
+    def batch():
+        futures = held.map(range(5), flag=flag)
+        for f in futures:
+            f.wait()
+        return [f.state for f in futures], str(FlowRunContext.get().flow_run.id)
+
+    runner = threading.Thread(target=lambda: got.setdefault("out", batch()))
+    runner.start()
+    try:
+        queue = lambda: control_plane.ok("GET", "/v1/queue")  # noqa: E731
+        wait_until(lambda: queue()["running"] >= 1 and queue()["queued"] >= 4, 120,
+                   what="one shard running on the A10, four queued")
+        revoked_at = time.time()
+        assert control_plane.revoke(root, "incident").status_code == 200
+        runner.join(timeout=120)
+    finally:
+        Path(flag).touch()
+        runner.join(timeout=120)
+    states, run = got["out"]
+    assert not any(s.is_completed() for s in states)
+    records = control_plane.records(run)
+    settlements = [r for r in records if r.kind == "settlement"]
+    ran = [r for r in settlements if r.payload.get("outcome") not in ("revoked-while-queued", "revoked-while-waiting")]
+    assert len(ran) == 1, [r.payload.get("outcome") for r in settlements]
+    assert ran[0].ts - revoked_at <= 1.0, ran[0].ts - revoked_at  # the running shard ended within a second
+    for s in states:
+        assert "revoked" in str(s.result(raise_on_failure=False))
+
+
+def test_a_rejected_map_denies_every_shard_and_releases_every_hold(control_plane):
+    from tests.approval_helpers import accounts_of, api_answer
+
+    policy = ApprovalPolicyBlock(rules=[ApprovalRule(name="tuning-needs-a-person", kinds=["training"])],
+                                 timeout_seconds=120)
+    t = tenant(control_plane, policy=policy)
+    g = Gated(t, lambda: [outcome(f.result) for f in tune.map([0.1, 0.2, 0.3])])
+    (view,) = g.waiting(1)
+    resp = api_answer(control_plane, view.id, control_plane.approver("bob", t.authority), approve=False,
+                      reason="looked at it")
+    assert resp.status_code == 200, resp.text
+    out = g.outcome()
+    assert len(out) == 3 and all("bob rejected the run: looked at it" in o for o in out), out
+    (account,) = accounts_of(control_plane, t)
+    assert account["pending"] == 0 and account["posted"] == 0
+    assert [r.kind for r in g.records()].count("admission") == 0
+
+
+@task
+def later(i: int) -> int:
+    time.sleep(3.0 * i)  # the shards that wait on it reach the plane seconds apart
+    return i
+
+
+def test_a_maps_shards_that_reach_the_plane_seconds_apart_still_share_one_decision(control_plane):
+    """Calls that are not one map share a decision for 2 s; the shards of one map share it for the array's life."""
+    t = tenant(control_plane)
+
+    @flow(task_runner=t.runner())
+    def batch():
+        return [f.result() for f in shard.map([later.submit(i) for i in range(3)])], str(FlowRunContext.get().flow_run.id)
+
+    out, run = batch()
+    assert out == [0, 2, 4]
+    admissions = sorted((r for r in control_plane.records(run) if r.kind == "admission"), key=lambda r: r.ts)
+    assert admissions[-1].ts - admissions[0].ts > 2.5  # they did arrive seconds apart
+    decided = [r.payload.get("decided_with") for r in admissions]
+    assert decided.count(None) == 1, decided
