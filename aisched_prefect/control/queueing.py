@@ -12,6 +12,7 @@ from typing import Any
 
 from aisched_prefect.control.admission import Admission, Readmitter
 from aisched_prefect.control.running import BodyParts, Placement, Preempted, Running, _crashed
+from aisched_prefect.control.time_limit import time_limit_args
 from aisched_prefect.control.warm import warm_key
 from aisched_prefect.wire import Reply
 from dask_gpu import request_stop
@@ -153,7 +154,8 @@ class Queueing:
                     estimate=adm.request.est_seconds, priority=adm.priority, workers=adm.workers,
                     preemptible=adm.request.preemptible, task=state.key if adm.request.preemptible else None,
                     width=req.hosts if (req.hosts or 1) > 1 else 0, types=list(req.types) if req.types else None,
-                    memory=req.gpu_memory_gb, warm=warm_key(adm) if self.keep_warm(adm) else None)
+                    memory=req.gpu_memory_gb, warm=warm_key(adm) if self.keep_warm(adm) else None,
+                    **time_limit_args(adm, self.ran_before.get(adm.id, 0.0)))
 
     def _wait_in_queue(self, state: Running) -> Placement | None:
         """Wait in the cluster's one queue (a scheduler plugin) until the policy starts the run: its workers and

@@ -21,6 +21,7 @@ from aisched_prefect.control.admission import Admission
 from aisched_prefect.control.dispatch import Dispatcher
 from aisched_prefect.control.running import Running
 from aisched_prefect.control.state import AuthorityState
+from aisched_prefect.control.time_limit import TimeLimitWatch, top_up_room
 from aisched_prefect.settings import Settings
 from blocks import ChainBroken, Usage
 from dask_gpu import renew_leases, running_for
@@ -45,6 +46,7 @@ class Watcher:
         self._checked_snapshot: Any = None  # stop_broken: the snapshot the runs in `_checked` were checked against
         self._checked_at = 0.0
         self._checked: set[str] = set()
+        self.time_limits = TimeLimitWatch(dispatcher, settings)  # runs past est_seconds + grace: stopped (issue 42)
 
     def start(self) -> None:
         self._thread.start()
@@ -80,6 +82,7 @@ class Watcher:
                 if running:
                     self.stop_broken(running)
                     self.enforce_cover(running)
+                    self.time_limits.check(running)
                 self.dispatcher.warm.end_broken(self.why_broken)  # idle warm bodies: ended within a poll
                 now = time.monotonic()
                 if running and now - leases_at >= self.settings.body_lease_seconds / 3:
@@ -185,7 +188,9 @@ class Watcher:
         from aisched_prefect.ledger import BudgetExceeded
 
         adm, request = r.admission, r.admission.request
-        extra = request.est_seconds * self.settings.top_up_fraction
+        extra = top_up_room(r, request.est_seconds * self.settings.top_up_fraction, self.settings)
+        if extra <= 0:  # its cover already reaches its time limit and the graces: no hold past them
+            return
         bound = self.dispatcher._bound(adm)
         hour_price = bound.budget.model.gpu_hour_price(adm.priced_type) if adm.priced_type else 0.0
         usage = Usage(money=request.gpus * extra / 3600 * hour_price, gpu_hours=request.gpus * extra / 3600)
