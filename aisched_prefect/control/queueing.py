@@ -12,7 +12,7 @@ from typing import Any
 
 from aisched_prefect.control.admission import Admission, Readmitter
 from aisched_prefect.control.running import BodyParts, Placement, Preempted, Running, _crashed
-from aisched_prefect.control.time_limit import time_limit_args
+from aisched_prefect.control.time_limit import TimeLimitRequeue, time_limit_args
 from aisched_prefect.control.warm import warm_key
 from aisched_prefect.wire import Reply
 from dask_gpu import request_stop
@@ -88,16 +88,21 @@ class Queueing:
             finally:
                 with self.lock:
                     self.running.pop(state.key, None)
-        except Preempted:  # charged for what ran; admitted again and queued again, as state
+        except Preempted as stopped:  # charged for what ran; admitted again and queued again, as state
+            ran = self.ran_before.pop(admission.id, 0.0)
+            limit = isinstance(stopped, TimeLimitRequeue)  # at its time limit: it resumes from its own checkpoint
             try:
-                again = admitter.readmit(admission, "preempted")
+                again = admitter.readmit(admission, "time-limit" if limit else "preempted")
             except BaseException as exc:  # noqa: BLE001
                 done(_crashed(admission, exc), b"")
                 return
+            if limit or ran:
+                self.ran_before[again.id] = ran + (stopped.seconds if limit else 0.0)  # the queue learns all it ran
             self.launch(again, body, admitter, done)
             return
         except BaseException as exc:  # noqa: BLE001
             reply, out = _crashed(admission, exc), b""
+        self.ran_before.pop(admission.id, None)
         done(reply, out)
 
     def _register(self, admission: Admission) -> Running:
