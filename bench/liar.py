@@ -21,6 +21,7 @@ and the liar's mean JCT lying / honest (target >= 1: lying gains nothing), for e
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 import sys
 from collections import Counter
@@ -45,13 +46,13 @@ def declared(job, declare: str) -> float:
     return job.estimate / 4 if declare == "quarter" else float(declare)
 
 
-def liar_day(day: str, declare: str, liar: str | None = None) -> dict:
+def liar_day(day: str, declare: str, liar: str | None = None, settings: dict | None = None) -> dict:
     """The liar experiment on one day, both ways (see the module's docstring): honest ratio and liar ratio."""
     nxt = (datetime.fromisoformat(day) + timedelta(days=1)).strftime("%Y-%m-%d")
     jobs, durations, _ = load(TRACE, day, nxt, 8, 8, 21600, "clip", 10)
     jobs = with_estimates(jobs, durations, "user")
     liar = liar or Counter(j.tenant for j in jobs).most_common(1)[0][0]
-    config = PolicyConfig()  # the live configuration, its time limits included
+    config = PolicyConfig(**(settings or {}))  # the live configuration, its time limits included
     limits = config.limits()
     honest_run = simulate(jobs, durations, config.build(), 8, 8, batch=config.batch_events, limits=limits)
     others = lambda t: t != liar  # noqa: E731
@@ -74,7 +75,9 @@ def main() -> None:
     p.add_argument("--days", nargs="*")
     p.add_argument("--declare", default="quarter", help="what the liar declares: 'quarter' (of each estimate) or "
                    "seconds for every job")
+    p.add_argument("--ours", nargs="*", default=[], help="settings on top of the live configuration, name=value")
     args = p.parse_args()
+    settings = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.ours)}
     if args.declare != "quarter":
         try:
             float(args.declare)
@@ -90,7 +93,7 @@ def main() -> None:
     days = args.days or SETS[args.set]
     held = {"limit": [0, 0], "no_limit": [0, 0]}
     for day in days:
-        r = liar_day(day, args.declare)
+        r = liar_day(day, args.declare, settings=settings)
         words = []
         for way in ("limit", "no_limit"):
             ok = (r[way]["others"] <= 1.05, r[way]["liar_ratio"] >= 1.0)

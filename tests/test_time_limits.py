@@ -114,3 +114,14 @@ def test_the_simulator_and_the_control_planes_watch_stop_the_same_run_at_the_sam
     finally:
         module.request_stop = module_stop
     assert {(j, s): e for j, s, e in out.stops} == live
+
+
+def test_learn_down_plans_a_tenant_that_over_declares_on_what_its_runs_take_only_when_asked():
+    for down, planned in ((False, 600.0), (True, 150.0)):
+        policy = PolicyConfig(learn_down=down).build()
+        for i in range(5):
+            policy.estimates.learn("a", 600.0, 150.0)  # its runs take a quarter of what it declares
+        policy.submit(Job(1, "a", 1, 0.0, 600.0), ClusterState(free=[8]))
+        policy.submit(Job(2, "a", 1, 0.0, 600.0, no_limit=True), ClusterState(free=[8]))
+        assert policy.estimates.plan_of(1)["planned"] == planned
+        assert policy.estimates.plan_of(2)["planned"] == 600.0  # no limit: never planned below what it declared

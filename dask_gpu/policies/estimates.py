@@ -34,6 +34,7 @@ from dask_gpu.policies.interface import Job
 from dask_gpu.policies.time_limits import TimeLimits
 
 REPLAN = 1.1  # a tenant's waiting runs are planned again once its factor grew this much since they were planned
+DOWN_AFTER = 5  # runs of a tenant before `learn_down` plans on what they take
 REPLAN_BATCH = 32  # at most this many waiting runs planned again per pass, each from its tenant's queue's front
 
 
@@ -45,6 +46,8 @@ class Estimates:
             raise ValueError(f"estimate memory must be at least 1 run, not {memory!r}")
         self.memory, self.correct = int(memory), correct  # `correct` False: plan on what was declared (comparison)
         self.limits = limits  # with limits, a run with one is planned no longer than it may run
+        self.down = False  # plan limited runs of a tenant that over-declares on what its runs take (`learn_down`)
+        self.raw: dict[str, deque[float]] = {}  # tenant -> ran / declared of its last `memory` runs (uncapped)
         self.view: dict[int, tuple[Job, float]] = {}  # job id -> (the job as planned, its declared estimate)
         self.ratios: dict[str, deque[float]] = {}  # tenant -> max(1, ran / declared) of its last `memory` runs
         self.past_now: dict[str, float] = {}  # tenant -> the largest ran so far / declared of its runs past their end
@@ -76,7 +79,9 @@ class Estimates:
                 self.view[job.id] = (job, known[1])
             return job
         f = self.factor(job.tenant)  # new, or entered again as declared (a preempted run's client): planned now
-        planned = dataclasses.replace(job, estimate=self._capped(job, job.estimate * f)) if f > 1.0 else job
+        if f <= 1.0 and self.down and self.limits is not None and not (job.no_limit or job.requeue):
+            f = self.typical(job.tenant)  # a limit caps how far under the plan it can run: planned on what it takes
+        planned = dataclasses.replace(job, estimate=self._capped(job, job.estimate * f)) if f != 1.0 else job
         self.view[job.id] = (planned, job.estimate)
         return planned
 
@@ -97,6 +102,15 @@ class Estimates:
                 out.append((planned, again))
         return out
 
+    def typical(self, tenant: str) -> float:
+        """What a tenant's runs take of what they declare: the median of its last runs (at most 1; 1 with fewer than
+        `DOWN_AFTER` runs), Tsafrir's prediction from a user's history, downward only."""
+        raw = self.raw.get(tenant)
+        if not raw or len(raw) < DOWN_AFTER:
+            return 1.0
+        v = sorted(raw)
+        return min(1.0, max(v[len(v) // 2], 0.01))
+
     def _capped(self, job: Job, estimate: float) -> float:
         """A run with a time limit cannot hold its GPUs past its limit and the grace: planned no longer than that."""
         if self.limits is None or job.no_limit or job.requeue:  # (one that requeues comes back: its work orders it)
@@ -107,6 +121,8 @@ class Estimates:
         """A run of `tenant` that declared `declared` seconds ended after `ran` (only its last `memory` runs count)."""
         if declared > 0:
             self.ratios.setdefault(tenant, deque(maxlen=self.memory)).append(max(1.0, ran / declared))
+            if self.down:
+                self.raw.setdefault(tenant, deque(maxlen=self.memory)).append(ran / declared)
             self._factors.pop(tenant, None)
 
     def forget(self, job: Job) -> float | None:

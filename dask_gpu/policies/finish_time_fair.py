@@ -92,10 +92,11 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
                  align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
                  sharpness: float = 4.0, estimate_memory: float = 100.0, correct_estimates: bool = True,
-                 starve_after: float = 0.0, time_limits: TimeLimits | None = None) -> None:
+                 starve_after: float = 0.0, time_limits: TimeLimits | None = None, learn_down: bool = False) -> None:
         super().__init__()
         self._open_books(weights, horizon, half_life, learn, time_limits)
         self._open_estimates(estimate_memory, correct_estimates, time_limits)
+        self.estimates.down = learn_down
         self.owed = owed
         self.behind, self.overdue, self.reservations = behind, overdue, reservations
         self.due: list[tuple[float, int, Job]] = []  # heap: (when a job's own wait makes it overdue, id, job)
