@@ -6,7 +6,7 @@ import hashlib
 import json
 import re
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,6 +20,7 @@ MAX_EST_SECONDS = 366 * 86_400.0
 MAX_EST_TOKENS = 10**12
 WARM_KINDS = frozenset({"inference", "batch-inference", "embedding"})  # kinds whose bodies stay warm by default
 DEFAULT_KEEP_WARM_SECONDS = 300.0
+NO_LIMIT_WORDS = frozenset({"none", "unlimited", "infinite", "inf"})  # time_limit= words for no limit (Slurm: UNLIMITED)
 
 
 class AIRequest(BaseModel):
@@ -49,6 +50,15 @@ class AIRequest(BaseModel):
         "(a multi-host job: gpus=16, hosts=2 is 8 on each). None: one worker; a request wider than every worker "
         "is refused, naming the hosts= that would hold it (a body written for one process never runs twice).")
 
+    time_limit: Literal["est_seconds"] | None = Field(
+        default="est_seconds", description="A GPU run's est_seconds is its time limit, as Slurm's --time is: past it "
+        "and the operator's grace it is asked to stop (checkpoint() raises StopRequested), then ended, recorded "
+        "time-limit and charged for what ran. None (or 'unlimited'): no limit; planned on the tenant's worst observed "
+        "overrun and its overrun charged at a premium in the queue's fairness.")
+    requeue_on_time_limit: bool = Field(
+        default=False, description="Stopped at its time limit, the run is charged for what ran and queued again (Slurm's "
+        "--requeue): its function runs again with the same arguments and resumes from its own checkpoint files.")
+
     keep_warm: float | None = Field(
         default=None, ge=0, le=86_400, allow_inf_nan=False,
         description="Seconds a run's body may wait warm for the next run of the same task, principal and request "
@@ -65,6 +75,16 @@ class AIRequest(BaseModel):
         from datetime import timedelta
 
         return v.total_seconds() if isinstance(v, timedelta) else v
+
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _time_limit_words(cls, v: object) -> object:
+        if v is None or (isinstance(v, str) and v.lower() in NO_LIMIT_WORDS) or (isinstance(v, float) and v == float("inf")):
+            return None
+        if v is True or v == "est_seconds":
+            return "est_seconds"
+        raise ValueError("time_limit is est_seconds (leave it out: the run's est_seconds is its limit, as Slurm's "
+                         "--time) or None / 'unlimited' (no limit); to let a run go longer, raise est_seconds")
 
     @field_validator("gpu_type", mode="before")
     @classmethod
@@ -99,6 +119,8 @@ class AIRequest(BaseModel):
             raise ValueError("hosts > 1 needs whole gpus (a multiple of hosts): e.g. gpus=16, hosts=2")
         if (self.gpu_memory_gb or self.gpu_type) and not self.gpus:
             raise ValueError("gpu_memory_gb/gpu_type need gpus >= 1")
+        if self.requeue_on_time_limit and self.time_limit is None:
+            raise ValueError("requeue_on_time_limit=True needs a time limit: drop time_limit=None, or drop the requeue")
         if self.preemptible and self.gpus < 1:
             raise ValueError("preemptible=True needs gpus >= 1 (whole GPUs wait in the cluster's queue, "
                              "which is what stops and requeues a run); drop preemptible or ask for a whole GPU")
@@ -121,6 +143,11 @@ class AIRequest(BaseModel):
             return GPURequest(gpus=self.gpus, gpu_memory_gb=self.gpu_memory_gb, gpu_type=self.gpu_type, hosts=self.hosts)
         except ValidationError as exc:
             raise ValueError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+
+    @property
+    def limit_seconds(self) -> float | None:
+        """Its time limit in seconds (a GPU run's est_seconds), or None: no limit (or no GPUs: not limited)."""
+        return self.est_seconds if self.time_limit == "est_seconds" and self.gpus else None
 
     @property
     def keep_warm_seconds(self) -> float:

@@ -54,6 +54,14 @@ class Settings(BaseSettings):
         "task asked @ai_task(keep_warm_across_flow_runs=True).")
     top_up_fraction: float = Field(default=0.5, gt=0, le=10, description="A GPU run nearing what its hold covers "
                                    "asks for this share of its est_seconds more.")
+    time_limit_grace_seconds: float = Field(
+        default=60.0, ge=0, le=86_400, description="AISCHED_TIME_LIMIT_GRACE_SECONDS: a GPU run's est_seconds is its time "
+        "limit (Slurm's --time); this long past it (Slurm's OverTimeLimit) it is asked to stop: checkpoint() raises "
+        "StopRequested, its body gets SIGTERM. Set the queue's dask-gpu.queue-policy.over-time to the same.")
+    time_limit_kill_wait_seconds: float = Field(
+        default=30.0, ge=0, le=3600, description="AISCHED_TIME_LIMIT_KILL_WAIT_SECONDS: this long after the stop was "
+        "asked (Slurm's KillWait) a run past its time limit is ended, recorded time-limit and charged for what ran. "
+        "Set the queue's dask-gpu.queue-policy.kill-wait to the same.")
     approval_wait_seconds: float = Field(default=10.0, gt=0, description="Longest single long-poll for an answer.")
     embedded_start_seconds: float = Field(default=60.0, gt=0, description="How long a runner waits for the embedded "
                                           "control plane it starts to answer.")

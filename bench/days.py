@@ -106,14 +106,17 @@ def misses(by: dict, met: dict[str, bool], bounds: dict[str, float]) -> str:
     return ", ".join(out) or "-"
 
 
-def replayed(day: str, nxt: str, config: PolicyConfig, estimates: str, replays: int) -> tuple[dict, dict]:
-    """Per policy, the median of each figure over the replays (the trace as is, then jitter seeds 1, 2, ...)."""
+def replayed(day: str, nxt: str, config: PolicyConfig, estimates: str, replays: int,
+             batch: bool | None = None) -> tuple[dict, dict]:
+    """Per policy, the median of each figure over the replays (the trace as is, then jitter seeds 1, 2, ...);
+    `batch`: one pass per burst (True) or per event (False); None: as the configuration says (the live plugin)."""
     runs: dict[str, dict[str, list[float]]] = {}
     facts: dict = {}
     for r in range(replays):
         outcomes, facts = run_slice(TRACE, day, nxt, 8, 8, 21600, "clip", 10, ours=config.build(),
-                                    estimates=estimates, models=False, batch=config.batch_events,
-                                    jitter=None if r == 0 else r)
+                                    estimates=estimates, models=False,
+                                    batch=config.batch_events if batch is None else batch,
+                                    jitter=None if r == 0 else r, limits=config.limits())
         for o in outcomes:
             mine = runs.setdefault(o.policy, {f: [] for f in (*FIGURES, "p99_ms")})
             for f, v in (("makespan", o.makespan), ("mean_jct", o.mean_jct), ("p95_jct", o.p95_jct),
@@ -129,6 +132,10 @@ def main() -> None:
     p.add_argument("--estimates", choices=ESTIMATES, default="user")
     p.add_argument("--replays", type=int, default=4, help="the trace as is and N-1 jittered copies; medians")
     p.add_argument("--ours", nargs="*", default=[], help="settings on top of the live configuration, name=value")
+    p.add_argument("--events", choices=["live", "burst", "event", "both"], default="live",
+                   help="when a pass runs, for every policy alike: as the live plugin (the configuration's "
+                   "batch_events), once per burst of simultaneous events, once per event, or both side by side "
+                   "(each day twice; a row per event model, and a summary of each)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     settings = {k: _value(v) for k, v in (a.split("=", 1) for a in args.ours)}
@@ -140,33 +147,47 @@ def main() -> None:
         print("| day (load; jobs, gangs) | " + " | ".join(SHOWN) + " | bounds: makespan h, JCT h, rho | targets "
               "(mk, JCT, rho) | missed |")
         print("|---" * (len(SHOWN) + 4) + "|")
+    models = {"live": [None], "burst": [True], "event": [False], "both": [True, False]}[args.events]
     for day in args.days or SETS[args.set]:
         nxt = (datetime.fromisoformat(day) + timedelta(days=1)).strftime("%Y-%m-%d")
-        by, facts = replayed(day, nxt, config, args.estimates, args.replays)
-        met, bounds = targets(by)
-        kind = "busy" if day in BUSY else "overloaded"
-        row = {"day": day, "set": kind, **facts, "replays": args.replays,
-               **{k: {"makespan_h": v["makespan"] / 3600, "mean_jct_h": v["mean_jct"] / 3600,
-                      "p95_jct_h": v["p95_jct"] / 3600, "max_rho": v["max_rho"], "p99_ms": v["p99_ms"]}
-                  for k, v in by.items()},
-               "bounds": {"makespan_h": bounds["makespan"] / 3600, "mean_jct_h": bounds["mean_jct"] / 3600,
-                          "max_rho": bounds["max_rho"]}, "met": met}
-        rows.append(row)
-        if args.json:
-            print(json.dumps(row), flush=True)
-        else:
-            cells = " | ".join(f"{by[k]['makespan'] / 3600:.1f} / {by[k]['mean_jct'] / 3600:.2f} / "
-                               f"{by[k]['p95_jct'] / 3600:.1f} / {by[k]['max_rho']:.2f}" for k in SHOWN)
-            bound = f"{bounds['makespan'] / 3600:.1f}, {bounds['mean_jct'] / 3600:.2f}, {bounds['max_rho']:.2f}"
-            held = " ".join("yes" if met[k] else "NO" for k in ("makespan", "mean_jct", "max_rho"))
-            print(f"| {day} {kind} ({facts['offered_load']:.2f}; {facts['jobs']}, {facts['gangs']}) | {cells} | "
-                  f"{bound} | {held} | {misses(by, met, bounds)} |", flush=True)
-    for kind in ("busy", "overloaded"):
-        mine = [r for r in rows if r["set"] == kind]
-        if mine:
-            print(_summary(kind, mine))
-    print(_summary("all", rows) + f"; estimates {args.estimates}; {args.replays} replays"
-          + (f"; settings {settings}" if settings else ""))
+        for batch in models:
+            rows.append(_day(day, nxt, config, args, batch))
+    for batch in models:
+        label = "" if batch is None else ("per burst: " if batch else "per event: ")
+        mine = [r for r in rows if r["batch"] == batch]
+        for kind in ("busy", "overloaded"):
+            some = [r for r in mine if r["set"] == kind]
+            if some:
+                print(label + _summary(kind, some))
+        print(label + _summary("all", mine) + f"; estimates {args.estimates}; {args.replays} replays"
+              + (f"; settings {settings}" if settings else ""))
+        if batch is not None:
+            shift = [r["easy-backfill"]["makespan_h"] for r in mine]
+            print(f"{label}EASY's makespan (the anchor), h: " + " ".join(f"{x:.1f}" for x in shift))
+
+
+def _day(day: str, nxt: str, config: PolicyConfig, args: argparse.Namespace, batch: bool | None) -> dict:
+    """One day's row (printed as it comes), under one event model."""
+    by, facts = replayed(day, nxt, config, args.estimates, args.replays, batch)
+    met, bounds = targets(by)
+    kind = "busy" if day in BUSY else "overloaded"
+    row = {"day": day, "set": kind, **facts, "replays": args.replays, "batch": batch,
+           **{k: {"makespan_h": v["makespan"] / 3600, "mean_jct_h": v["mean_jct"] / 3600,
+                  "p95_jct_h": v["p95_jct"] / 3600, "max_rho": v["max_rho"], "p99_ms": v["p99_ms"]}
+              for k, v in by.items()},
+           "bounds": {"makespan_h": bounds["makespan"] / 3600, "mean_jct_h": bounds["mean_jct"] / 3600,
+                      "max_rho": bounds["max_rho"]}, "met": met}
+    if args.json:
+        print(json.dumps(row), flush=True)
+    else:
+        cells = " | ".join(f"{by[k]['makespan'] / 3600:.1f} / {by[k]['mean_jct'] / 3600:.2f} / "
+                           f"{by[k]['p95_jct'] / 3600:.1f} / {by[k]['max_rho']:.2f}" for k in SHOWN)
+        bound = f"{bounds['makespan'] / 3600:.1f}, {bounds['mean_jct'] / 3600:.2f}, {bounds['max_rho']:.2f}"
+        held = " ".join("yes" if met[k] else "NO" for k in ("makespan", "mean_jct", "max_rho"))
+        events = "" if batch is None else (" per burst" if batch else " per event")
+        print(f"| {day} {kind}{events} ({facts['offered_load']:.2f}; {facts['jobs']}, {facts['gangs']}) | {cells} | "
+              f"{bound} | {held} | {misses(by, met, bounds)} |", flush=True)
+    return row
 
 
 def _summary(kind: str, rows: list[dict]) -> str:

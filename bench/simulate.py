@@ -33,7 +33,8 @@ from bench.trace import TRACE, BadTime, load, offered_load  # noqa: E402
 from dask_gpu.queue_policy import (EasyBackfill, Fifo, Las2D, MaxMinFair, PlainDask, Policy,  # noqa: E402
                                    SjfEasy)
 from dask_gpu.policies.config import PolicyConfig  # noqa: E402
-from dask_gpu.simulator import ESTIMATES, Outcome, _unit, simulate, with_estimates  # noqa: E402
+from dask_gpu.policies.time_limits import TimeLimits  # noqa: E402
+from dask_gpu.simulator import ESTIMATES, LIVE_LIMITS, Outcome, _unit, simulate, with_estimates  # noqa: E402
 
 BASELINES = ("easy-backfill", "sjf-easy", "las-2d", "max-min")  # what "best baseline" is taken over
 
@@ -45,12 +46,13 @@ def _hours(seconds: float) -> str:
 def run_slice(trace: Path, start: str, end: str, hosts: int, gpus: int, max_duration: float | None, long: str,
               tenants: int | None, preemptible: str = "none", ours: Policy | None = None,
               baselines: bool = True, estimates: str = "user", models: bool = True, batch: bool = False,
-              jitter: int | None = None) -> tuple[list[Outcome], dict]:
+              jitter: int | None = None, limits: TimeLimits | None = LIVE_LIMITS) -> tuple[list[Outcome], dict]:
     """Every policy's outcome on one slice (rho filled in) and the slice's facts (jobs, tenants, load, dropped).
 
     `baselines`: also EASY, SJF+EASY, 2D-LAS and max-min (else EASY and ours only); `models`: also the models of
     plain Dask and FIFO; `batch`: one pass per burst of simultaneous events (the live plugin's dispatch);
-    `jitter` (a seed): a replay with a seeded 0-1 s added to every run time (estimates as for the trace)."""
+    `jitter` (a seed): a replay with a seeded 0-1 s added to every run time (estimates as for the trace); `limits`:
+    every policy's runs stop at their time limits as the live control plane stops them (None: never)."""
     jobs, durations, dropped = load(trace, start, end, hosts, gpus, max_duration, long, tenants)
     if not jobs:
         raise SystemExit("no jobs in that slice: widen --start/--end")
@@ -64,7 +66,8 @@ def run_slice(trace: Path, start: str, end: str, hosts: int, gpus: int, max_dura
     policies += [EasyBackfill(), SjfEasy(), Las2D(), MaxMinFair()] if baselines else [EasyBackfill()]
     policies.append(ours or PolicyConfig().build())  # ours: the live configuration
     cache: dict = {}
-    outcomes = [simulate(jobs, durations, p, hosts, gpus, resume_preempted=preemptible == "resume", batch=batch)
+    outcomes = [simulate(jobs, durations, p, hosts, gpus, resume_preempted=preemptible == "resume", batch=batch,
+                         limits=limits)
                 .with_fairness(jobs, durations, hosts, gpus, cache) for p in policies]
     facts = {"jobs": len(jobs), "tenants": len({j.tenant for j in jobs}), "gangs": sum(j.gpus > gpus for j in jobs),
              "offered_load": offered_load(jobs, durations, hosts * gpus, end), "dropped": dropped,

@@ -28,6 +28,7 @@ from typing import Any
 
 from dask_gpu.bodycode import code_digest, load, split
 from dask_gpu.framing import recv_msg, send_msg
+from dask_gpu.time_stop import arm, install
 
 WORKER_ENV = "DASK_GPU_WORKER"
 WORKER_NAME_ENV = "DASK_GPU_WORKER_NAME"
@@ -146,6 +147,7 @@ def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes, capture: _
 
     os.environ.update(header.get("env", {}))
     current_devices_var.set(tuple(GPUDevice(**d) for d in header.get("devices", [])))
+    arm()  # SIGTERM (a time limit) makes its checkpoint() raise StopRequested
     capture.records = []
     _reports.clear()
     root = logging.getLogger()
@@ -177,6 +179,7 @@ def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, im
     """Run bodies' runs until the worker closes the socket. `setup(header)` runs once the first run's bytes arrived
     and before any is read (isolation); `imports`: modules its zygote left to it (a flow's own, on an isolated
     worker), imported once its environment is set."""
+    install()
     if announce:
         send_msg(conn, json.dumps({"pid": os.getpid()}).encode())
     loaded, capture, runs = _Loaded(), None, 0

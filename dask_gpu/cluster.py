@@ -323,13 +323,14 @@ def running_for(client: Client, keys: list[str]) -> dict[str, float]:
     return out
 
 
-def request_stop(client: Client, keys: list[str]) -> None:
+def request_stop(client: Client, keys: list[str], soft: bool = False) -> None:
     """Stop the tasks `keys` wherever they run or will run (one round trip to every worker).
 
     An admitted body runs in its own process, which is killed with everything it
-    started; a task not started yet stops before it starts.
+    started; a task not started yet stops before it starts. With `soft`, a running body is only asked to stop:
+    SIGTERM, and its `checkpoint()` raises StopRequested (a time limit, `dask_gpu.time_stop`).
     """
-    broadcast(client, "gpu_stop", keys=list(keys))
+    broadcast(client, "gpu_stop", keys=list(keys), **({"soft": True} if soft else {}))
 
 
 def end_warm(client: Client, bodies: list[str], reason: str = "ended by the control plane") -> list[str]:

@@ -51,6 +51,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         self._cgroups: str | None = "not decided yet"  # why bodies get no cgroup here (None: they do)
         self.worker_name = ""
         self._stops: dict[str, threading.Event] = {}
+        self._soft: dict[str, threading.Event] = {}  # key -> asked to stop at its next checkpoint (a time limit)
         self._started: dict[str, float] = {}  # key -> monotonic time it got its devices
         self._leases: dict[str, float] = {}  # key -> monotonic deadline; past it the body is killed
         self._stops_lock = threading.Lock()
@@ -67,6 +68,12 @@ class GPUWorkerPlugin(WorkerPlugin):
 
     def request_stop(self, key: str) -> None:
         self.stop_event(key).set()
+
+    def soft_stop_event(self, key: str) -> threading.Event:
+        """The event that asks task `key` to stop at its next `checkpoint()` (its body gets SIGTERM, as Slurm's time
+        limit sends; `dask_gpu.time_stop`); it is killed only by `request_stop`."""
+        with self._stops_lock:
+            return self._soft.setdefault(key, threading.Event())
 
     def mark_started(self, key: str) -> None:
         self._started[key] = time.monotonic()
@@ -171,6 +178,7 @@ class GPUWorkerPlugin(WorkerPlugin):
     def forget(self, key: str) -> None:
         with self._stops_lock:
             self._stops.pop(key, None)
+            self._soft.pop(key, None)
             self._started.pop(key, None)
 
     def sample(self) -> dict[str, DeviceState] | None:
@@ -312,9 +320,12 @@ class GPUWorkerPlugin(WorkerPlugin):
         for zygote in zygotes:
             zygote.close()
 
-    def _handle_stop(self, keys: list[str]) -> list[str]:
+    def _handle_stop(self, keys: list[str], soft: bool = False) -> list[str]:
         for key in keys:
-            self.request_stop(key)
+            if soft:
+                self.soft_stop_event(key).set()
+            else:
+                self.request_stop(key)
         return [k for k in keys if k in self._started]
 
     def _handle_renew(self, keys: list[str], seconds: float) -> list[str]:

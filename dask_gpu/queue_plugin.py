@@ -121,7 +121,8 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
     async def place(self, key: str, tenant: str, gpus: float, estimate: float, priority: int = 0,
                     workers: list[str] | None = None, client: str = "", preemptible: bool = False,
                     task: str | None = None, width: int = 0, types: list[str] | None = None,
-                    memory: float | None = None, warm: str | None = None) -> dict[str, Any] | None:
+                    memory: float | None = None, warm: str | None = None, no_limit: bool = False,
+                    requeue: bool = False, ran: float = 0.0) -> dict[str, Any] | None:
         """Queue one run under the client's `key`; once the policy starts it, return where:
         `{"workers": [address, ...], "devices": [[device key, ...], ...] | None, "shares": [...]}` (one entry
         per worker: a gang has several, member 0 first; `devices` None where the worker's devices are not
@@ -131,7 +132,8 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
         for `memory` GB per device; `types` restricts the device types; `width` fixes a gang's hosts. A
         `preemptible` run names the Dask key it will run under (`task`): the key a preemption stops. `warm`: the
         key of its body (dask_gpu.queue_warm): an idle warm body of that key takes it first, and the answer names
-        it (`body`).
+        it (`body`). `no_limit`, `requeue`, `ran`: its time limit (`policies.time_limits`): none declared; it
+        requeues at its limit; what it already ran before a requeue.
         """
         addresses = self._addresses(workers)
         await self._known(addresses if workers else list(self.addresses))
@@ -144,7 +146,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
             self.answers[jid] = asyncio.get_running_loop().create_future()
             fit = self._open_fit(spec, hosts)
             job = Job(id=jid, tenant=tenant, gpus=1, submit=time.time(), estimate=estimate, priority=priority,
-                      hosts=hosts)
+                      hosts=hosts, no_limit=no_limit, requeue=requeue, ran=ran)
             if warm:
                 self.warm_keys[jid] = warm
             if warm and self._reuse(job, client, spec):  # an idle warm body of its key: its place, as it is
@@ -158,7 +160,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
                 self._note_waiting(jid, warm)
         else:
             jid = self.enter(tenant, int(gpus), estimate, priority, workers, client, preemptible, width=width,
-                             spec=spec, warm=warm)
+                             spec=spec, warm=warm, limits={"no_limit": no_limit, "requeue": requeue, "ran": ran})
             self.keys[key] = jid
         if task is not None:
             self.tasks[jid] = task
@@ -183,12 +185,13 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
 
     def enter(self, tenant: str, gpus: int, estimate: float, priority: int = 0,
               workers: list[str] | None = None, client: str = "", preemptible: bool = False, width: int = 0,
-              spec: Spec | None = None, warm: str | None = None) -> int:
+              spec: Spec | None = None, warm: str | None = None, limits: dict[str, Any] | None = None) -> int:
         """Queue one run; returns its id (then `wait` for the worker it must run on)."""
         addresses = self._addresses(workers)
         hosts = frozenset(self.addresses.index(a) for a in addresses) if workers else None
         job = Job(id=next(self.ids), tenant=tenant, gpus=gpus, submit=time.time(), estimate=estimate,
-                  priority=priority, hosts=hosts, preemptible=preemptible, width=width if width > 1 else 0)
+                  priority=priority, hosts=hosts, preemptible=preemptible, width=width if width > 1 else 0,
+                  **(limits or {}))
         if preemptible:
             job = self._requeued(job, client)
         if spec is not None:

@@ -46,6 +46,7 @@ from dask_gpu.isolation import network
 from dask_gpu.results import ResultRef
 from dask_gpu.tickets import MEET_OP, PLACED_TOPIC, REDEEM_OP, Ticket, TicketRejected, digest, verify_signature
 from dask_gpu.framing import recv_msg, send_msg, wait_readable
+from dask_gpu.time_stop import STOPPED, signal_body
 from dask_gpu.zygote import kill_group
 
 POLL_SECONDS = 0.1
@@ -292,7 +293,7 @@ def _after_run(plugin: GPUWorkerPlugin, ticket: Ticket, body: Body, proc: BodyPr
 def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, devices: tuple[Any, ...],
                address: str, proc: BodyProcess, rendezvous: dict[str, str]) -> dict[str, Any]:
     """One run in `proc`: send it, wait for its result (or stop it: the body is then killed with what it started)."""
-    stop = plugin.stop_event(key)
+    stop, soft, signalled = plugin.stop_event(key), plugin.soft_stop_event(key), False
     env = {**body.env, **rendezvous, WORKER_ENV: address, WORKER_NAME_ENV: plugin.worker_name}
     if devices:
         env.update({k: v for k, v in gpu_env(devices, base={}).items()})
@@ -307,6 +308,8 @@ def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, de
             if why:
                 kill_group(proc.pid)
                 return {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
+            if soft.is_set() and not signalled:  # its time limit: SIGTERM, its checkpoint() raises (time_stop)
+                signalled = signal_body(proc.pid)
         meta = json.loads(recv_msg(sock))
         blob = recv_msg(sock)
     except (EOFError, OSError, ValueError):
@@ -331,4 +334,5 @@ def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, de
             else None
         return {"ok": True, "value": b"" if kept else blob, "result": kept, **common}
     return {"ok": False, "error": blob, "error_type": meta.get("error_type", ""),
-            "error_message": meta.get("error_message", ""), "error_text": meta.get("error_text", ""), **common}
+            "error_message": meta.get("error_message", ""), "error_text": meta.get("error_text", ""), **common,
+            **({"stopped": STOPPED} if signalled else {})}

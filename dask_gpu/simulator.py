@@ -1,11 +1,15 @@
 """A discrete-event simulator that drives a queue policy over a workload: what each job did, and the figures.
 
-Time jumps from event to event (a job is submitted, a job ends); each event is
-handled on its own, as a live scheduler sees them one message at a time: ends
+Time jumps from event to event (a job is submitted, a job ends); ends come
 before submits at the same instant, submits in the order given (file order),
-and the policy is asked what starts after every one. The policy sees
-estimates; jobs run for their real duration. Decision time is process CPU
-time. Pure Python: no Prefect, no Dask.
+and the policy is asked what starts after every one (or, with `batch`, once per
+burst of simultaneous events, as the live plugin dispatches). The policy sees
+estimates; jobs run for their real duration, but no longer than their time
+limit allows (`policies.time_limits`, as the live control plane stops them): a
+run past its declared estimate plus the grace is ended and recorded
+`time-limit`, or, if it checkpoints (`Job.requeue`), stopped and queued again
+to go on from where it stopped. Decision time is process CPU time. Pure Python:
+no Prefect, no Dask.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from dask_gpu.policies.fifo import EasyBackfill
 from dask_gpu.policies.interface import ClusterState, Job, Policy, Running
 from dask_gpu.policies.placement import max_min_shares
+from dask_gpu.policies.time_limits import TimeLimits
 from dask_gpu.sim_metrics import finish_time_fairness, jain, lower_bound, percentile
 
 Sample = tuple[float, dict[str, int], dict[str, int]]  # (seconds since the first submit, GPUs running, GPUs waiting) per tenant
@@ -89,6 +94,9 @@ class Outcome:
     decision_p99_ms: float  # process CPU time of one decision (preempt + schedule)
     preempted: int = 0  # runs stopped to give borrowed GPUs back (requeued, restarted from the beginning)
     wasted_gpu_hours: float = 0.0  # what those runs had done when stopped
+    time_limited: int = 0  # runs ended at their time limit (recorded `time-limit`; their work is not done)
+    requeued: int = 0  # runs stopped at their time limit and queued again from their checkpoint
+    stops: list[tuple[int, float, float]] = field(default_factory=list, repr=False)  # (job id, start, stop) at limits
     started: dict[int, float] = field(default_factory=dict, repr=False)
     ended: dict[int, float] = field(default_factory=dict, repr=False)
     jct: list[float] = field(default_factory=list, repr=False)  # per job, in the order given
@@ -133,8 +141,12 @@ class Outcome:
         return self
 
 
+LIVE_LIMITS = TimeLimits()  # the live control plane's defaults (`Settings.time_limit_*`)
+
+
 def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, hosts: int, gpus_per_host: int,
-             resume_preempted: bool = False, sizes: list[int] | None = None, batch: bool = False) -> Outcome:
+             resume_preempted: bool = False, sizes: list[int] | None = None, batch: bool = False,
+             limits: TimeLimits | None = LIVE_LIMITS) -> Outcome:
     """Replay `jobs` (their real run times in `durations`) through `policy` on hosts x gpus_per_host
     (or hosts of the given `sizes`).
 
@@ -144,9 +156,19 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
 
     A run the policy preempts is submitted again: from the beginning, or with
     `resume_preempted` from where it stopped (a task that checkpoints).
+
+    With `limits` (the live defaults unless given; None: no limits, the behaviour before issue 42), each job's
+    estimate as given is its time limit unless it says `no_limit`: a run that would run longer ends when the limit
+    lets it (`TimeLimits.ends`): ended for good (`time_limited`), or with `Job.requeue` queued again with what is
+    left (submitted anew at its stop, the same limit), as the live control plane does.
     """
     sizes = list(sizes) if sizes is not None else [gpus_per_host] * hosts
     remaining = dict(durations)
+    limit_of = {j.id: None if j.no_limit else j.estimate for j in jobs}  # what each job declared, as given
+    first = {j.id: j for j in jobs}
+    cut: set[int] = set()  # ids of Running entries whose end event is their time limit
+    time_limited = requeued = 0
+    stops: list[tuple[int, float, float]] = []
     state = ClusterState(free=list(sizes), size=list(sizes))
     capacity = state.capacity
     events: list[tuple[float, int, int, object]] = []  # (time, 0 = end / 1 = submit, seq, payload)
@@ -192,11 +214,26 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
             assert isinstance(run, Running)
             if id(run) in stopped:  # preempted earlier: this end never happens
                 stopped.discard(id(run))
+                cut.discard(id(run))
                 continue
             state.release(run)
             policy.finish([run.job], now)
             running_gpus[run.job.tenant] -= run.job.gpus
-            ended[run.job.id] = now
+            if id(run) in cut:  # stopped at its time limit
+                cut.discard(id(run))
+                stops.append((run.job.id, run.start, now))
+                if run.job.requeue:  # it stopped at its checkpoint: queued again with what is left, the same limit
+                    requeued += 1
+                    remaining[run.job.id] -= now - run.start
+                    again = dataclasses.replace(first[run.job.id], submit=now,
+                                                ran=durations[run.job.id] - remaining[run.job.id])
+                    policy.submit(again, state)
+                    waiting_gpus[again.tenant] += again.gpus
+                else:
+                    time_limited += 1
+                    ended[run.job.id] = now
+            else:
+                ended[run.job.id] = now
         else:
             job = payload
             assert isinstance(job, Job)
@@ -229,8 +266,14 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
             started.setdefault(s.job.id, now)
             waiting_gpus[s.job.tenant] -= s.job.gpus
             running_gpus[s.job.tenant] = running_gpus.get(s.job.tenant, 0) + s.job.gpus
-            held_work += sum(g for _, g in s.holds) * remaining[s.job.id]
-            heapq.heappush(events, (now + remaining[s.job.id], 0, seq, run))
+            runs_for = remaining[s.job.id]
+            if limits is not None:
+                allowed = limits.allowed(limit_of[s.job.id], first[s.job.id].requeue)
+                if runs_for > allowed:
+                    runs_for = allowed
+                    cut.add(id(run))
+            held_work += sum(g for _, g in s.holds) * runs_for
+            heapq.heappush(events, (now + runs_for, 0, seq, run))
             seq += 1
         sample = (now - t0, {k: v for k, v in running_gpus.items() if v}, {k: v for k, v in waiting_gpus.items() if v})
         if timeline and timeline[-1][0] == sample[0]:
@@ -253,6 +296,7 @@ def simulate(jobs: list[Job], durations: Mapping[int, float], policy: Policy, ho
         mean_wait=sum(started[j.id] - j.submit for j in jobs) / len(jobs),
         utilization=held_work / (capacity * makespan) if makespan else 0.0, jain=jain(ratios),
         decision_p99_ms=1000 * percentile(decisions, 99), preempted=preempted, wasted_gpu_hours=wasted / 3600,
+        time_limited=time_limited, requeued=requeued, stops=stops,
         started=started, ended=ended, jct=jct, jct_by_tenant=by_tenant,
         s_active={k: got[k] / active[k] for k in active if active[k] > 0}, timeline=timeline,
         contention={k: met[k] / active[k] for k in active if active[k] > 0},

@@ -31,6 +31,7 @@ from aisched_prefect.control.running import (
     Lost, ModelSlotUnavailable, Placement, Preempted, Running, denied, held_by_account)
 from aisched_prefect.control.settlement import Settlement
 from aisched_prefect.control.state import AuthorityState
+from aisched_prefect.control.time_limit import TimeLimitRequeue
 from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.control.warm import WarmBooks, warm_key
 from aisched_prefect.control.warm_tail import WarmTail
@@ -55,6 +56,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         self.client, self.signer, self.ledger, self.state, self.settings = client, signer, ledger, state, settings
         self.queue = queue
         self.running: dict[str, Running] = {}
+        self.ran_before: dict[str, float] = {}  # admission id -> what its call ran before a requeue at its time limit
         self.lock = threading.Lock()
         self._inventories: dict[str, WorkerInventory] = {}
         self._inventories_at = 0.0
@@ -101,13 +103,22 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
 
     def execute(self, admission: Admission, body: Body, admitter: Readmitter) -> tuple[Reply, bytes]:
         """Run an admitted call; a run the cluster's queue preempts is charged for what ran and queued again."""
-        requeued = 0
-        while True:
-            try:
-                return self._execute_once(admission, body)
-            except Preempted:
-                requeued += 1
-                admission = admitter.readmit(admission, f"preempted ({requeued})")
+        requeued, ran = 0, 0.0
+        try:
+            while True:
+                try:
+                    return self._execute_once(admission, body)
+                except Preempted as exc:
+                    requeued += 1
+                    why = "preempted"
+                    if isinstance(exc, TimeLimitRequeue):  # stopped at its limit: it resumes from its own checkpoint
+                        why, ran = "time-limit", ran + exc.seconds
+                    self.ran_before.pop(admission.id, None)
+                    admission = admitter.readmit(admission, f"{why} ({requeued})")
+                    if ran:
+                        self.ran_before[admission.id] = ran  # the queue learns its whole run so far
+        finally:
+            self.ran_before.pop(admission.id, None)
 
     def _ticket(self, admission: Admission, attempt_key: str, shares: list[int] | None = None,
                 workers: list[str] | None = None) -> Ticket:

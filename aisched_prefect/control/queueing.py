@@ -13,6 +13,7 @@ from typing import Any
 from aisched_prefect.control.admission import Admission, Readmitter
 from aisched_prefect.control.capacity import waits_for_capacity
 from aisched_prefect.control.running import BodyParts, Placement, Preempted, Running, _crashed
+from aisched_prefect.control.time_limit import TimeLimitRequeue, time_limit_args
 from aisched_prefect.control.warm import warm_key
 from aisched_prefect.wire import Reply
 from dask_gpu import StopRequested, request_stop
@@ -101,12 +102,16 @@ class Queueing:
             finally:
                 with self.lock:
                     self.running.pop(state.key, None)
-        except Preempted:  # charged for what ran; admitted again and queued again, as state
+        except Preempted as stopped:  # charged for what ran; admitted again and queued again, as state
+            ran = self.ran_before.pop(admission.id, 0.0)
+            limit = isinstance(stopped, TimeLimitRequeue)  # at its time limit: it resumes from its own checkpoint
             try:
-                again = admitter.readmit(admission, "preempted")
+                again = admitter.readmit(admission, "time-limit" if limit else "preempted")
             except BaseException as exc:  # noqa: BLE001
                 done(_crashed(admission, exc), b"")
                 return
+            if limit or ran:
+                self.ran_before[again.id] = ran + (stopped.seconds if limit else 0.0)  # the queue learns all it ran
             self.launch(again, body, admitter, done)
             return
         except StopRequested as exc:  # stopped as it was handed to its worker (a revocation): said as a stop, why
@@ -115,6 +120,7 @@ class Queueing:
             out = b""
         except BaseException as exc:  # noqa: BLE001
             reply, out = _crashed(admission, exc), b""
+        self.ran_before.pop(admission.id, None)
         done(reply, out)
 
     def _register(self, admission: Admission) -> Running:
@@ -171,7 +177,8 @@ class Queueing:
                     estimate=adm.request.est_seconds, priority=adm.priority, workers=adm.workers,
                     preemptible=adm.request.preemptible, task=state.key if adm.request.preemptible else None,
                     width=req.hosts if (req.hosts or 1) > 1 else 0, types=list(req.types) if req.types else None,
-                    memory=req.gpu_memory_gb, warm=warm_key(adm) if self.keep_warm(adm) else None)
+                    memory=req.gpu_memory_gb, warm=warm_key(adm) if self.keep_warm(adm) else None,
+                    **time_limit_args(adm, self.ran_before.get(adm.id, 0.0)))
 
     def _wait_in_queue(self, state: Running) -> Placement | None:
         """Wait in the cluster's one queue (a scheduler plugin) until the policy starts the run: its workers and

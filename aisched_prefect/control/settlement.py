@@ -14,7 +14,9 @@ from aisched_prefect.control.admission import Admission
 from aisched_prefect.control.outcomes import direct_reply, result_evidence
 from aisched_prefect.control.outlast import outlasting
 from aisched_prefect.control.running import Preempted, Running, base_payload, held_by_account
-from aisched_prefect.errors import InvalidUsage
+from aisched_prefect.control.time_limit import TimeLimitRequeue, stop_reply
+from dask_gpu.policies.time_limits import TIME_LIMIT
+from aisched_prefect.errors import InvalidUsage, LedgerUnavailable
 from aisched_prefect.ledger import BudgetAlert, Hold
 from aisched_prefect.usage import ReportedUsage, reported
 from aisched_prefect.wire import Reply
@@ -112,7 +114,8 @@ class Settlement:
             usage, bad_usage = None, exc
         if bad_usage is None:
             charges = self.charges(adm, run.gpu_type, run.seconds, usage, state.holds)
-            outcome = "completed" if out.ok else f"stopped-{stopped}" if stopped else "failed"
+            outcome = "completed" if out.ok else TIME_LIMIT if stopped == TIME_LIMIT else \
+                f"stopped-{stopped}" if stopped else "failed"
         else:  # what it used is unknown: charge what it held, and return no result
             charges, outcome, stopped = held_by_account(state.holds), "failed", None
             out = out.model_copy(update={"ok": False, "error_type": "aisched_prefect.errors.InvalidUsage",
@@ -142,7 +145,13 @@ class Settlement:
             logger.warning("AI task %s was preempted after %.1fs to give tenant %r its quota back; charged for that "
                            "and queued again", adm.task_name, run.seconds, state.preempted_for)
             raise Preempted()
+        if stopped == TIME_LIMIT and adm.request.requeue_on_time_limit:
+            logger.warning("AI task %s stopped at its time limit after %.1fs; charged for that and queued again "
+                           "(requeue_on_time_limit)", adm.task_name, run.seconds)
+            raise TimeLimitRequeue(run.seconds)
         common = {"admission": adm.id, "logs": out.logs, "placement": placement, "charged": charges}
+        if stopped == TIME_LIMIT:
+            return Reply(status="stopped", **stop_reply(adm, run.seconds, self.settings), **common), b""
         if stopped == "budget":
             return Reply(status="denied", stage="budget", reason=(
                 f"the task ran {run.seconds:.1f}s, all its budget holds cover ({state.covered_seconds:.1f}s), and a "

@@ -25,6 +25,7 @@ from aisched_prefect.control.dispatch import Dispatcher
 from aisched_prefect.control.running import Running
 from aisched_prefect.control.state import AuthorityState
 from aisched_prefect.control.warm import WarmIdle
+from aisched_prefect.control.time_limit import TimeLimitWatch, top_up_room
 from aisched_prefect.settings import Settings
 from blocks import ChainBroken, Usage
 from dask_gpu import renew_leases, running_for
@@ -50,6 +51,7 @@ class Watcher:
         self._checked_snapshot: Any = None  # stop_broken: the snapshot the runs in `_checked` were checked against
         self._checked_at = 0.0
         self._checked: set[str] = set()
+        self.time_limits = TimeLimitWatch(dispatcher, settings)  # runs past est_seconds + grace: stopped (issue 42)
 
     def start(self) -> None:
         self._thread.start()
@@ -85,6 +87,7 @@ class Watcher:
                 if running:
                     self.stop_broken(running)
                     self.enforce_cover(running)
+                    self.time_limits.check(running)
                 now = time.monotonic()
                 if now - warm_at >= WARM_LOAD_SECONDS:  # idle warm bodies: every replica's, ended within a poll
                     warm_at = now
@@ -227,7 +230,9 @@ class Watcher:
         from aisched_prefect.ledger import BudgetExceeded
 
         adm, request = r.admission, r.admission.request
-        extra = request.est_seconds * self.settings.top_up_fraction
+        extra = top_up_room(r, request.est_seconds * self.settings.top_up_fraction, self.settings)
+        if extra <= 0:  # its cover already reaches its time limit and the graces: no hold past them
+            return
         bound = self.dispatcher._bound(adm)
         hour_price = bound.budget.model.gpu_hour_price(adm.priced_type) if adm.priced_type else 0.0
         usage = Usage(money=request.gpus * extra / 3600 * hour_price, gpu_hours=request.gpus * extra / 3600)

@@ -102,6 +102,8 @@ def ai_task(
     hosts: int | None = None,
     keep_warm: float | timedelta | None = None,
     keep_warm_across_flow_runs: bool = False,
+    time_limit: str | None = "est_seconds",
+    requeue_on_time_limit: bool = False,
     **task_options: Any,
 ) -> Any:
     """Declare an AI task: what it needs (GPUs, memory, type), what it is, what it will cost.
@@ -126,12 +128,20 @@ def ai_task(
     so a map's idle time is the tail of its work; `keep_warm_across_flow_runs=True` keeps it its whole `keep_warm`
     time for the next flow run too.
 
+    A GPU run's `est_seconds` is its time limit, as Slurm's `--time` is: past it and the operator's grace
+    (`AISCHED_TIME_LIMIT_GRACE_SECONDS`, Slurm's OverTimeLimit) `checkpoint()` raises StopRequested (and its body gets
+    SIGTERM); `AISCHED_TIME_LIMIT_KILL_WAIT_SECONDS` later it is ended, recorded `time-limit` and charged for what
+    ran. `requeue_on_time_limit=True` (Slurm's `--requeue`): it is then queued again, to resume from its own
+    checkpoint files. `time_limit=None` (or "unlimited"): no limit; the queue plans it on its tenant's worst observed
+    overrun and charges its overrun at a premium in fairness.
+
     Other keyword arguments (name, retries, tags, ...) go to `prefect.task`.
     """
     request = AIRequest.build(
         kind=kind, gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_type=gpu_type, model=model,
         est_seconds=est_seconds, est_tokens=est_tokens, priority=priority, preemptible=preemptible, hosts=hosts,
         keep_warm=keep_warm, keep_warm_across_flow_runs=keep_warm_across_flow_runs,
+        time_limit=time_limit, requeue_on_time_limit=requeue_on_time_limit,
     )
 
     def decorate(fn: Callable[..., Any]) -> Task[Any, Any]:

@@ -14,6 +14,7 @@ import dask.config
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dask_gpu.policies.finish_time_fair import LIVE_HALF_LIFE, FinishTimeFair
+from dask_gpu.policies.time_limits import TimeLimits
 
 CONFIG_KEY = "dask-gpu.queue-policy"
 
@@ -41,6 +42,15 @@ class PolicyConfig(BaseModel):
     correct_estimates: bool = True
     starve_after: float = Field(0.0, ge=0, description="starvation bound: a tenant below its quota whose oldest waiting "
                                 "run has waited this many seconds gets it served first, on an EASY reservation (0: off)")
+    over_time: float = Field(60.0, ge=0, description="time limits: seconds a run may pass its declared est_seconds "
+                             "before it is asked to stop (Slurm's OverTimeLimit); the same as the control plane's "
+                             "AISCHED_TIME_LIMIT_GRACE_SECONDS")
+    kill_wait: float = Field(30.0, ge=0, description="time limits: seconds between the stop request and the end "
+                             "(Slurm's KillWait); the same as AISCHED_TIME_LIMIT_KILL_WAIT_SECONDS")
+    no_limit_premium: float = Field(2.0, ge=1, description="a run declared with no time limit: its overrun counts this "
+                                    "many times in its tenant's rho (so no limit never beats an honest one)")
+    learn_down: bool = Field(False, description="experimental: plan a tenant's limited runs on what its runs take of "
+                             "what they declare (the median of its history, never above 1), not on the declared limit")
     batch_events: bool = Field(True, description="one pass per burst of simultaneous events, as the live plugin "
                                                  "dispatches once per event-loop turn (the simulator follows it)")
 
@@ -56,6 +66,11 @@ class PolicyConfig(BaseModel):
             raise PolicyConfigError(f"queue policy settings ({CONFIG_KEY}): {problems}. Fix: correct or remove "
                                     f"those keys (see dask_gpu.policies.config.PolicyConfig)") from None
 
+    def limits(self) -> TimeLimits:
+        """The time limits these settings describe (the simulator plays them as the control plane enforces them)."""
+        return TimeLimits(self.over_time, self.kill_wait, self.no_limit_premium)
+
     def build(self, weights: dict[str, float] | None = None) -> FinishTimeFair:
         """The policy these settings describe."""
-        return FinishTimeFair(weights=weights, **self.model_dump(exclude={"batch_events"}))
+        return FinishTimeFair(weights=weights, time_limits=self.limits(), **self.model_dump(
+            exclude={"batch_events", "over_time", "kill_wait", "no_limit_premium", "learn_down"}), learn_down=self.learn_down)

@@ -31,18 +31,23 @@ import math
 from collections import deque
 
 from dask_gpu.policies.interface import Job
+from dask_gpu.policies.time_limits import TimeLimits
 
 REPLAN = 1.1  # a tenant's waiting runs are planned again once its factor grew this much since they were planned
+DOWN_AFTER = 5  # runs of a tenant before `learn_down` plans on what they take
 REPLAN_BATCH = 32  # at most this many waiting runs planned again per pass, each from its tenant's queue's front
 
 
 class Estimates:
     """Per-tenant overrun factors, and the planned view of every job the policy holds (waiting or running)."""
 
-    def __init__(self, memory: float = 100.0, correct: bool = True) -> None:
+    def __init__(self, memory: float = 100.0, correct: bool = True, limits: TimeLimits | None = None) -> None:
         if not memory >= 1:
             raise ValueError(f"estimate memory must be at least 1 run, not {memory!r}")
         self.memory, self.correct = int(memory), correct  # `correct` False: plan on what was declared (comparison)
+        self.limits = limits  # with limits, a run with one is planned no longer than it may run
+        self.down = False  # plan limited runs of a tenant that over-declares on what its runs take (`learn_down`)
+        self.raw: dict[str, deque[float]] = {}  # tenant -> ran / declared of its last `memory` runs (uncapped)
         self.view: dict[int, tuple[Job, float]] = {}  # job id -> (the job as planned, its declared estimate)
         self.ratios: dict[str, deque[float]] = {}  # tenant -> max(1, ran / declared) of its last `memory` runs
         self.past_now: dict[str, float] = {}  # tenant -> the largest ran so far / declared of its runs past their end
@@ -74,7 +79,9 @@ class Estimates:
                 self.view[job.id] = (job, known[1])
             return job
         f = self.factor(job.tenant)  # new, or entered again as declared (a preempted run's client): planned now
-        planned = dataclasses.replace(job, estimate=job.estimate * f) if f > 1.0 else job
+        if f <= 1.0 and self.down and self.limits is not None and not (job.no_limit or job.requeue):
+            f = self.typical(job.tenant)  # a limit caps how far under the plan it can run: planned on what it takes
+        planned = dataclasses.replace(job, estimate=self._capped(job, job.estimate * f)) if f != 1.0 else job
         self.view[job.id] = (planned, job.estimate)
         return planned
 
@@ -89,16 +96,33 @@ class Estimates:
         for job in jobs:
             planned, declared = self.view[job.id]
             f = self.factor(job.tenant)
-            if declared > 0 and declared * f > planned.estimate * REPLAN:
-                again = dataclasses.replace(planned, estimate=declared * f)
+            if declared > 0 and self._capped(planned, declared * f) > planned.estimate * REPLAN:
+                again = dataclasses.replace(planned, estimate=self._capped(planned, declared * f))
                 self.view[job.id] = (again, declared)
                 out.append((planned, again))
         return out
+
+    def typical(self, tenant: str) -> float:
+        """What a tenant's runs take of what they declare: the median of its last runs (at most 1; 1 with fewer than
+        `DOWN_AFTER` runs), Tsafrir's prediction from a user's history, downward only."""
+        raw = self.raw.get(tenant)
+        if not raw or len(raw) < DOWN_AFTER:
+            return 1.0
+        v = sorted(raw)
+        return min(1.0, max(v[len(v) // 2], 0.01))
+
+    def _capped(self, job: Job, estimate: float) -> float:
+        """A run with a time limit cannot hold its GPUs past its limit and the grace: planned no longer than that."""
+        if self.limits is None or job.no_limit or job.requeue:  # (one that requeues comes back: its work orders it)
+            return estimate
+        return min(estimate, self.limits.planned(self.declared_of(job)))
 
     def learn(self, tenant: str, declared: float, ran: float) -> None:
         """A run of `tenant` that declared `declared` seconds ended after `ran` (only its last `memory` runs count)."""
         if declared > 0:
             self.ratios.setdefault(tenant, deque(maxlen=self.memory)).append(max(1.0, ran / declared))
+            if self.down:
+                self.raw.setdefault(tenant, deque(maxlen=self.memory)).append(ran / declared)
             self._factors.pop(tenant, None)
 
     def forget(self, job: Job) -> float | None:
@@ -148,8 +172,8 @@ class EstimatePlanning:
     `FairnessBooks`): it learns each tenant's factor as runs end or pass their planned end, and plans its waiting
     runs again when the factor grew."""
 
-    def _open_estimates(self, memory: float, correct: bool = True) -> None:
-        self.estimates = Estimates(memory, correct)
+    def _open_estimates(self, memory: float, correct: bool = True, limits: TimeLimits | None = None) -> None:
+        self.estimates = Estimates(memory, correct, limits)
         self.planned_at: dict[str, float] = {}  # tenant -> its factor when its waiting runs were last planned
         self.stale: dict[str, set[int]] = {}  # tenant -> its waiting runs planned on an older factor (not yet again)
 
@@ -160,7 +184,8 @@ class EstimatePlanning:
             for job in jobs:
                 start = self.runs.get(job.id)
                 if start is not None:
-                    self.estimates.learn(job.tenant, self.estimates.declared_of(job), max(now - start, 0.0))
+                    # a run requeued at its limit counts with what it ran before: its job's whole run so far
+                    self.estimates.learn(job.tenant, self.estimates.declared_of(job), job.ran + max(now - start, 0.0))
         super().finish(jobs, now)
         for job in jobs:
             self.estimates.forget(job)

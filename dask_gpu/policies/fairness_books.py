@@ -14,6 +14,7 @@ halving every `half_life` seconds.
 from __future__ import annotations
 
 from dask_gpu.policies.interface import Job
+from dask_gpu.policies.time_limits import TimeLimits
 
 
 class FairnessBooks:
@@ -25,11 +26,12 @@ class FairnessBooks:
     """
 
     def _open_books(self, weights: dict[str, float] | None, horizon: float, half_life: float | None,
-                    learn: bool) -> None:
+                    learn: bool, time_limits: TimeLimits | None = None) -> None:
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be positive seconds or None (never fade), not {half_life!r}")
         self.weights = weights or {}
         self.horizon, self.half_life, self.learn = horizon, half_life, learn
+        self.premium = time_limits.no_limit_premium if time_limits is not None else 1.0  # a no-limit run's overrun
         self.epoch: float | None = None  # `done` and `alone_sum` are stored x 2**((t - epoch) / half_life)
         self.backlog: dict[str, float] = {}  # tenant -> when its private pool would be idle
         self.widest: dict[str, int] = {}  # tenant -> its widest job so far (its pool is at least that)
@@ -125,7 +127,9 @@ class FairnessBooks:
         With `now` (when it ended), what it added to its tenant's completion and alone sums on its estimate is
         corrected to what it really ran, and its tenant's private-pool backlog gives back the time it did not use:
         users ask for more than they need, and rho should not say a tenant is served better than it is. A run
-        that ran past its estimate is charged the same way (both sums grow by the overrun)."""
+        that ran past its estimate is charged the same way (both sums grow by the overrun); one declared with no
+        limit is charged at the premium: its alone sum grows `premium` x its overrun, so its tenant's rho falls
+        (it counts as served better) and its later runs wait behind honest ones."""
         for job in jobs:
             self.alone.pop(job.id, None)
             self.done_by.pop(job.id, None)
@@ -136,7 +140,8 @@ class FairnessBooks:
             if delta:
                 t = job.tenant
                 self.done[t] = self.done.get(t, 0.0) + delta * self._weight(start)
-                self.alone_sum[t] = self.alone_sum.get(t, 0.0) + delta * self._weight(job.submit)
+                charged = delta * self.premium if delta > 0 and job.no_limit else delta
+                self.alone_sum[t] = self.alone_sum.get(t, 0.0) + charged * self._weight(job.submit)
                 if self.backlog.get(t, now) > now:  # on the pool's size at its latest submit
                     self.backlog[t] = max(now, self.backlog[t] + job.gpus * delta / max(self.last_pool.get(t, 1.0), 1.0))
 

@@ -17,6 +17,7 @@ from dask_gpu.policies.fifo import EasyBackfill
 from dask_gpu.policies.interface import ClusterState, Job, Preemption, Start
 from dask_gpu.policies.placement import NoRoom, Reserved, drain_times, fits_somewhere, place, reclaim, reservation, with_starts
 from dask_gpu.policies.starvation import StarvationBound
+from dask_gpu.policies.time_limits import TimeLimits
 
 LIVE_HALF_LIFE = 7 * 24 * 3600.0  # the live queue's fairness memory halves weekly (Slurm's PriorityDecayHalfLife)
 
@@ -70,7 +71,10 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
 
     Estimates: each job is planned on its declared estimate x its tenant's
     overrun factor (`estimates.Estimates`, with `correct_estimates`), so
-    declaring short buys no place in the queue.
+    declaring short buys no place in the queue. With `time_limits` (the live configuration's), a run's estimate is
+    its limit: it is planned on no more than its limit plus the grace (it cannot hold its GPUs longer), and a run
+    declared with no limit (`Job.no_limit`) is planned on its tenant's factor and its overrun charged at the
+    premium (`time_limits`).
 
     With `starve_after`, a light tenant's run that waited that long goes first, on a reservation (`starvation`).
 
@@ -88,10 +92,11 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
                  align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
                  sharpness: float = 4.0, estimate_memory: float = 100.0, correct_estimates: bool = True,
-                 starve_after: float = 0.0) -> None:
+                 starve_after: float = 0.0, time_limits: TimeLimits | None = None, learn_down: bool = False) -> None:
         super().__init__()
-        self._open_books(weights, horizon, half_life, learn)
-        self._open_estimates(estimate_memory, correct_estimates)
+        self._open_books(weights, horizon, half_life, learn, time_limits)
+        self._open_estimates(estimate_memory, correct_estimates, time_limits)
+        self.estimates.down = learn_down
         self.owed = owed
         self.behind, self.overdue, self.reservations = behind, overdue, reservations
         self.due: list[tuple[float, int, Job]] = []  # heap: (when a job's own wait makes it overdue, id, job)

@@ -29,6 +29,9 @@ class Job:
     hosts: frozenset[int] | None = None  # the hosts it may run on; None: any
     preemptible: bool = False  # may be stopped (charged for what ran) and requeued to give GPUs back
     width: int = 0  # a gang over exactly this many whole hosts (0: the fewest whole hosts that hold its GPUs)
+    no_limit: bool = False  # declared no time limit: never stopped for time, planned and charged pessimistically
+    requeue: bool = False  # at its time limit it stops at a checkpoint and is queued again (Slurm's --requeue)
+    ran: float = 0.0  # seconds it already ran before this submit (requeued at its limit: it goes on from there)
 
 
 class OnHosts:
