@@ -61,7 +61,8 @@ SCHEDULER_OPS: dict[str, frozenset[str]] = _table(PLANE, """
     dump_state echo event_clear event_is_set event_set event_wait events gather get_cluster_state get_error_cause
     get_logs get_metadata get_runspec get_story get_task_prefix_states get_task_status get_task_stream
     get_task_stream_index gpu_limit_acquire gpu_limit_cancel gpu_limit_release gpu_limit_status gpu_queue_leave
-    gpu_queue_place gpu_queue_run gpu_queue_metrics gpu_queue_status gpu_task_states gpu_ticket_where has_what
+    gpu_queue_place gpu_queue_run gpu_queue_metrics gpu_queue_status gpu_task_states gpu_ticket_where gpu_workers_left
+    has_what
     identity log_event logs
     memory_sampler_start memory_sampler_stop multi_lock_acquire multi_lock_release nbytes ncores ncores_running
     performance_report processing profile proxy publish_delete publish_get publish_list publish_put queue_create

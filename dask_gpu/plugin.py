@@ -230,40 +230,14 @@ class GPUWorkerPlugin(WorkerPlugin):
 
     def _isolate(self, worker: Worker) -> None:
         """Decide the mode; on an isolated worker, the sandbox every tenant's zygote runs in."""
-        import sys
-
-        from dask_gpu.isolation import devices, filesystem, identity
-
         plan = self.isolation = self.isolation or plan_for()
         self.tenants = TenantGate(plan)
         if plan.mode != "shared" and plan.settings.tenant:  # advertised, so no other tenant's run is placed here
             self.inventory = self.inventory.model_copy(update={"tenant": plan.settings.tenant})
         if plan.mode != "isolated":
             return
-        settings = plan.settings
-        local = str(getattr(worker, "local_directory", "") or "")
-        bodies = settings.bodies_dir or os.path.join(local or "/var/lib/dask-gpu", "bodies")
-        os.makedirs(bodies, mode=0o711, exist_ok=True)
-        os.chmod(bodies, 0o711)
-        self._bodies_dir = bodies
-        scratch = [local, os.path.dirname(local)] if local else []  # Dask puts these on sys.path: never bound
-        security = getattr(worker, "security", None)
-        fields = [f"tls_{who}_{what}" for who in ("worker", "client", "scheduler") for what in ("cert", "key")]
-        found = [getattr(security, f, None) for f in ("tls_ca_file", *fields)] if security is not None else []
-        secrets = {v for v in found if isinstance(v, str) and os.path.isfile(v)}
-        for path in list(secrets):  # the whole TLS folder: on one host it may hold the control plane's key too
-            folder = os.path.dirname(path)
-            secrets.update(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".key", ".pem")))
-        self._sandbox = filesystem.sandbox_argv(
-            settings.bwrap, read_only=filesystem.code_paths(filesystem.without(sys.path, scratch), settings.extra_paths),
-            hide=[local, *secrets], devices=devices.sandbox_nodes(settings.device_nodes,
-                                                                 [d.index for d in self.inventory.devices]),
-            bodies_dir=bodies)
-        self._uids = identity.UidPool(*settings.body_uids, locks=settings.uid_locks)
-        if settings.network == "pasta":  # what a killed worker left: its bodies' namespaces, held for their pasta
-            from dask_gpu.isolation.network import sweep_stale
-
-            sweep_stale(settings.netns_dir)
+        self._bodies_dir, self._sandbox, self._uids = _isolated_sandbox(worker, plan.settings,
+                                                                        [d.index for d in self.inventory.devices])
 
     def _decide_cgroups(self) -> None:
         self._cgroups = cgroups_unavailable(self.isolation)
@@ -365,3 +339,34 @@ def _stop_frame_sampler(worker: Worker) -> None:
         if pc is not None:
             pc.stop()
 
+
+def _isolated_sandbox(worker: Worker, settings: Any, indices: list[int]) -> tuple[str, list[str], Any]:
+    """An isolated worker's bodies folder, the sandbox every tenant's zygote runs in, and its UID pool: nothing of
+    the worker's own (its local directory, its TLS folder) is bound into a body."""
+    import sys
+
+    from dask_gpu.isolation import devices, filesystem, identity
+
+    local = str(getattr(worker, "local_directory", "") or "")
+    bodies = settings.bodies_dir or os.path.join(local or "/var/lib/dask-gpu", "bodies")
+    os.makedirs(bodies, mode=0o711, exist_ok=True)
+    os.chmod(bodies, 0o711)
+    scratch = [local, os.path.dirname(local)] if local else []  # Dask puts these on sys.path: never bound
+    security = getattr(worker, "security", None)
+    fields = [f"tls_{who}_{what}" for who in ("worker", "client", "scheduler") for what in ("cert", "key")]
+    found = [getattr(security, f, None) for f in ("tls_ca_file", *fields)] if security is not None else []
+    secrets = {v for v in found if isinstance(v, str) and os.path.isfile(v)}
+    for path in list(secrets):  # the whole TLS folder: on one host it may hold the control plane's key too
+        folder = os.path.dirname(path)
+        secrets.update(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".key", ".pem")))
+    sandbox = filesystem.sandbox_argv(
+        settings.bwrap, read_only=filesystem.code_paths(filesystem.without(sys.path, scratch), settings.extra_paths),
+        hide=[local, *secrets], devices=devices.sandbox_nodes(settings.device_nodes,
+                                                             indices),
+        bodies_dir=bodies)
+    uids = identity.UidPool(*settings.body_uids, locks=settings.uid_locks)
+    if settings.network == "pasta":  # what a killed worker left: its bodies' namespaces, held for their pasta
+        from dask_gpu.isolation.network import sweep_stale
+
+        sweep_stale(settings.netns_dir)
+    return bodies, sandbox, uids

@@ -45,6 +45,7 @@ import asyncio
 import itertools
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from distributed import Client
@@ -108,7 +109,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
         scheduler.handlers["gpu_queue_place"] = self.place
         scheduler.handlers["gpu_queue_leave"] = self.leave
         scheduler.handlers["gpu_queue_status"] = self.status
-        scheduler.handlers["gpu_queue_metrics"] = self.metrics
+        scheduler.handlers["gpu_queue_metrics"] = partial(snapshot, self)  # Prometheus: never a task key
         if hasattr(scheduler, "stream_handlers"):
             scheduler.stream_handlers[LEAVE_STREAM_OP] = self._leave_stream
             scheduler.stream_handlers[ENTER_STREAM_OP] = self._enter_stream
@@ -288,10 +289,6 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
                   for job in queued),
             ]
         return out
-
-    def metrics(self) -> dict[str, Any]:
-        """The queue's figures for Prometheus (queue_metrics.py): tenants, counts and times, never a task key."""
-        return snapshot(self)
 
     def set_weights(self, weights: dict[str, float]) -> None:
         """Tenant weights for a weighted policy (the ClusterBlock's, as the latest flow run to start read them)."""

@@ -109,7 +109,7 @@ class ApprovalBook:
         """File the request the admission record describes (its budget is already held)."""
         timeout = int(payload["timeout_seconds"])
         call_digest = payload["approval_digest"]
-        call_index = self._completed_calls(admission.flow_run_id, call_digest)
+        call_index = _completed_calls(self.ledger, admission.flow_run_id, call_digest)
         approval_id = admission.approval or admission.id
         view = ApprovalView(
             id=approval_id, status="pending", digest=request_digest(call_digest, approval_id),
@@ -121,7 +121,7 @@ class ApprovalBook:
             deadline=time.time() + timeout, timeout_seconds=timeout,
             approvals_required=payload.get("approvals_required", 1),
             require_signature=payload.get("require_signature", False), parameters=payload.get("parameters") or {},
-            approvers=self._who_may_approve(admission))
+            approvers=_who_may_approve(self.state, admission))
         view = view.model_copy(update={"url": f"{self.base_url}/approve/{view.id}"})
         view = view.model_copy(update={"describe": describe(view, budget_left(admission.holds, currency))})
         with self.ledger.engine.begin() as conn:
@@ -143,7 +143,7 @@ class ApprovalBook:
 
         Only suspended requests are found: in a flow run that was never suspended every call asks on its
         own, so two identical calls waiting at once are two requests, each allowing one execution."""
-        call_index = self._completed_calls(flow_run_id, digest)
+        call_index = _completed_calls(self.ledger, flow_run_id, digest)
         with self.ledger.reader.connect() as conn:
             row = conn.execute(sa.select(approvals.c.id).where(
                 (approvals.c.flow_run_id == flow_run_id) & (approvals.c.digest == digest)
@@ -151,19 +151,6 @@ class ApprovalBook:
                 & (approvals.c.status != "consumed")
             ).order_by(approvals.c.deadline.desc())).first()
         return row[0] if row else None
-
-    def _completed_calls(self, flow_run_id: str, digest: str) -> int:
-        return sum(1 for r in self.ledger.records(flow_run_id)
-                   if r.kind == "settlement" and r.payload.get("approval_digest") == digest
-                   and r.payload.get("outcome") == "completed")
-
-    def _who_may_approve(self, admission: Admission) -> list[str]:
-        """Named on the request (console, page, form); a name that cannot be worked out never stops the asking."""
-        try:
-            return approvers_of(self.state, admission)
-        except Exception:  # noqa: BLE001 - the request is filed either way; the page still checks each answer
-            logger.warning("could not name the approvers of %s", admission.task_run_id, exc_info=True)
-            return []
 
     def approvers(self, approval_id: str) -> list[str]:
         """Everyone who may approve this run now, the requester excluded (approval_proof.approvers_of)."""
@@ -445,3 +432,19 @@ def _count_vote(w: Any, view: ApprovalView, adm: Admission, who: str, base: dict
         w.append("approval-vote", {**base, **ids, "counted": True, "approved_by": approved_by,
                                    "needed": view.approvals_required, **lapsed}, adm.ids)
     return "counted"
+
+
+def _completed_calls(ledger: Any, flow_run_id: str, digest: str) -> int:
+    """How many calls of this flow run one approval has already allowed (an approval allows one call)."""
+    return sum(1 for r in ledger.records(flow_run_id)
+               if r.kind == "settlement" and r.payload.get("approval_digest") == digest
+               and r.payload.get("outcome") == "completed")
+
+
+def _who_may_approve(state: Any, admission: Admission) -> list[str]:
+    """Named on the request (console, page, form); a name that cannot be worked out never stops the asking."""
+    try:
+        return approvers_of(state, admission)
+    except Exception:  # noqa: BLE001 - the request is filed either way; the page still checks each answer
+        logger.warning("could not name the approvers of %s", admission.task_run_id, exc_info=True)
+        return []

@@ -102,10 +102,10 @@ def instrument(plane: Any, metrics: PlaneMetrics) -> None:
     run = plane.pipeline.run
 
     @wraps(run)
-    def counted_run(case: Any) -> Any:
+    def counted_run(*args: Any, **kwargs: Any) -> Any:  # whatever the pipeline's run takes, passed on as it is
         started = time.perf_counter()
         try:
-            got = run(case)
+            got = run(*args, **kwargs)
         except AdmissionDenied as exc:
             stage = exc.stage if exc.stage in PHASES else "other"
             metrics.admissions.labels("denied", stage).inc()

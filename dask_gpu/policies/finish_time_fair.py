@@ -171,21 +171,11 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
     def waiting(self) -> int:
         return self.count
 
-    def _overdue(self, now: float) -> None:
-        """Move jobs whose own wait has made them overdue to the late list (a lazy heap: gone jobs are skipped)."""
-        while self.due and self.due[0][0] <= now:
-            when, jid, job = heapq.heappop(self.due)
-            q = self.queues.get(job.tenant, [])
-            i = bisect.bisect_left(q, ((-job.priority, job.gpus * job.estimate), jid))
-            if i < len(q) and q[i][2] is job and jid not in self.is_late:
-                self.is_late.add(jid)
-                bisect.insort(self.late, ((-job.priority, when), jid, job))
-
     def order(self, now: float, state: ClusterState | None = None) -> Iterator[Job]:
         """1. The jobs in the order they are served (lazily): LPT at the end of the queue, behind, the rest."""
         live = {t: q for t, q in self.queues.items() if q}
         first: set[int] = set()
-        self._overdue(now)
+        _move_overdue(self, now)
         if self.claims:  # GPUs were just taken back for them: they go first (priority still comes before all)
             top = max((-q[0][0][0] for q in live.values()), default=0)
             for jid, job in list(self.claims.items()):
@@ -332,3 +322,14 @@ def _delete(items: list, key: tuple, job: Job) -> None:
     i = bisect.bisect_left(items, key)
     assert items[i][-1] is job, (items[i], key)
     del items[i]
+
+
+def _move_overdue(policy: FinishTimeFair, now: float) -> None:
+    """Move jobs whose own wait has made them overdue to the late list (a lazy heap: gone jobs are skipped)."""
+    while policy.due and policy.due[0][0] <= now:
+        when, jid, job = heapq.heappop(policy.due)
+        q = policy.queues.get(job.tenant, [])
+        i = bisect.bisect_left(q, ((-job.priority, job.gpus * job.estimate), jid))
+        if i < len(q) and q[i][2] is job and jid not in policy.is_late:
+            policy.is_late.add(jid)
+            bisect.insort(policy.late, ((-job.priority, when), jid, job))
