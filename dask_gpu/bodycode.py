@@ -372,6 +372,7 @@ def _ship_imported(module: types.ModuleType, name: str, own: SourceFile, files: 
             continue
         files.add(src)
         names = shiptree.imported_names(src.source, src.module, src.package)
+        names |= shiptree.parents(src.module)  # importing `a.b.c` imports `a.b` first: its `__init__` ships too
         loaded = sys.modules.get(src.module) if src is not own else module
         names |= {m.__name__ for m in (_uses(loaded) if loaded is not None else ()) if mine(m)}
         for candidate in sorted(names - set(files.files)):

@@ -72,7 +72,13 @@ def imported_names(source: str, module: str, is_package: bool) -> set[str]:
             out.add(name)
             out.update(f"{name}.{a.name}" for a in node.names if a.name != "*")
     # every parent of a dotted name is imported with it
-    return out | {".".join(n.split(".")[:i]) for n in out for i in range(1, n.count(".") + 1)}
+    return out.union(*(parents(n) for n in out))
+
+
+def parents(name: str) -> set[str]:
+    """The packages above a dotted module name: `a.b.c` -> {`a`, `a.b`}."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
 def find_in(name: str, top_folders: list[str]) -> tuple[str, bool] | None:

@@ -101,6 +101,24 @@ def test_a_package_too_large_to_ship_says_so(on_path, monkeypatch):
         _shipped(f"{name}.tasks")
 
 
+def test_a_package_inside_a_namespace_ships_the_packages_above_the_task(on_path, tmp_path_factory):
+    """`tests/` without `__init__.py` holding `tests/attacks/__init__.py`: importing `ns.sub.tasks` in the body
+    imports `ns.sub` first, so its `__init__` ships with the task (it was refused as un-shipped)."""
+    ns = f"ns_{uuid.uuid4().hex[:8]}"
+    (on_path / ns / "sub").mkdir(parents=True)
+    (on_path / ns / "sub" / "__init__.py").write_text("MARK = 1\n")
+    # The task imports nothing of its own package (as a test module in `tests/attacks` does).
+    (on_path / ns / "sub" / "tasks.py").write_text(TASK.format(helper="math").replace("import factor", "import floor as factor").replace("factor()", "factor(2.5)"))
+    code = _shipped(f"{ns}.sub.tasks")
+    assert {f.module for f in code.files} == {ns, f"{ns}.sub", f"{ns}.sub.tasks"}
+    blob = tmp_path_factory.mktemp("body") / "code"
+    blob.write_bytes(code.encode())
+    here = Path(__file__).resolve().parents[1]
+    ok = subprocess.run([sys.executable, "-c", BODY, str(blob)], capture_output=True, text=True, timeout=120,
+                        cwd=str(on_path), env={"PYTHONPATH": f"{on_path}:{here}", "PATH": "/usr/bin:/bin"})
+    assert ok.stdout.strip() == "ran 6", ok.stdout + ok.stderr
+
+
 BODY = """
 import sys
 from dask_gpu.bodycode import load, split

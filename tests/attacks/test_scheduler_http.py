@@ -146,7 +146,7 @@ def test_the_dashboard_is_refused_beyond_loopback_and_jupyter_always(tmp_path, a
     assert done.stdout == ""
 
 
-def test_the_dask_key_of_an_admitted_run_names_neither_its_task_nor_its_task_run():
+def test_the_dask_key_of_an_admitted_run_names_neither_its_task_nor_its_task_run(sqlite_url):
     """Dispatcher._register makes the key every Dask message, worker log and the scheduler's state carry; the
     control plane keeps key -> run in its own table (`running`), and the ticket registry finds its runs by prefix."""
     from aisched_prefect.control.admission import Admission
@@ -155,7 +155,11 @@ def test_the_dask_key_of_an_admitted_run_names_neither_its_task_nor_its_task_run
     from dask_gpu.tickets import KEY_PREFIX
 
     client = SimpleNamespace(subscribe_topic=lambda *a, **k: None, _stream_handlers={})
-    dispatcher = Dispatcher(client, signer=None, ledger=None, state=None, settings=None)  # type: ignore[arg-type]
+    from aisched_prefect.ledger import Ledger
+    from aisched_prefect.settings import Settings
+
+    dispatcher = Dispatcher(client, signer=None, ledger=Ledger(sqlite_url), state=None,  # type: ignore[arg-type]
+                            settings=Settings())
     keys = []
     for _ in range(2):
         admission = Admission.model_construct(
