@@ -56,7 +56,10 @@ class ClusterProcs:
         """Start the scheduler (`port`: a fixed one, e.g. the one a killed scheduler had)."""
         file = self.root / "scheduler.json"
         file.unlink(missing_ok=True)
-        common = ["--host", "127.0.0.1", "--port", str(port), "--no-dashboard", "--scheduler-file", str(file)]
+        # Its HTTP server on a free port too: the default 127.0.0.1:8787 is host-wide, and the product refuses a taken
+        # one (dask_gpu.ports), so two tests (or anyone's scheduler on this host) side by side would collide there.
+        common = ["--host", "127.0.0.1", "--port", str(port), "--no-dashboard", "--dashboard-address", "127.0.0.1:0",
+                  "--scheduler-file", str(file)]
         if self.product:
             self._spawn("scheduler", [str(BIN / "dask-gpu-scheduler"), "--tls-dir", str(self.tls), *common])
         else:  # Dask's own scheduler, its default settings (allowed-failures 3, no preloads), the same TLS files
