@@ -78,6 +78,22 @@ class ClusterProcs:
         self.address = json.loads(file.read_text())["address"]
         return self.address
 
+    def warm_bodies(self) -> list[dict]:
+        """The warm bodies every worker reports (its `gpu_inventory`'s `warm`)."""
+        with self.client() as client:
+            found = client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"})
+        return [b for answer in found.values() for b in answer.get("warm", [])]
+
+    def end_warm_bodies(self, timeout: float = 60.0) -> None:
+        """Each test starts on an empty device: bodies a test left warm are ended (and settled) first."""
+        from tests.helpers import wait_until
+
+        ids = [b["id"] for b in self.warm_bodies()]
+        if ids:
+            with self.client() as client:
+                client.sync(client.scheduler.broadcast, msg={"op": "gpu_end_warm", "bodies": ids})
+        wait_until(lambda: not self.warm_bodies(), timeout, "the warm bodies of earlier tests to end")
+
     def start_worker(self, name: str, declared: str, nthreads: int = 2) -> None:
         self._spawn(name, [str(BIN / "dask-gpu-worker"), self.address, "--tls-dir", str(self.tls),
                            "--trust-key", self.key, "--declared", declared, "--name", name,

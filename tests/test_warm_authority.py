@@ -26,7 +26,9 @@ from tests.helpers import authority, budget, tenant, wait_until
 from tests.warm_model import score
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-LONG = score.with_options(keep_warm=600)  # idle for minutes unless something ends it
+# Idle for minutes unless something ends it (not the map's tail: control.warm_tail ends those when its flow run
+# has nothing of the key left).
+LONG = score.with_options(keep_warm=600, keep_warm_across_flow_runs=True)
 
 
 @ai_task(gpus=0.5, kind="batch-inference", est_seconds=60, keep_warm=0)
@@ -47,20 +49,6 @@ def cluster(tmp_path_factory, prefect_api):
         yield procs
 
 
-def _warm(cluster: ClusterProcs) -> list[dict]:
-    with cluster.client() as client:
-        found = client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"})
-    return [b for answer in found.values() for b in answer.get("warm", [])]
-
-
-def _end_all_warm(cluster: ClusterProcs) -> None:
-    with cluster.client() as client:
-        ids = [b["id"] for b in _warm(cluster)]
-        if ids:
-            client.sync(client.scheduler.broadcast, msg={"op": "gpu_end_warm", "bodies": ids})
-    wait_until(lambda: not _warm(cluster), 60, "the warm bodies of earlier tests to end")
-
-
 def _one_warm(cluster: ClusterProcs, t, log: Path) -> tuple[dict, str]:
     """One run that leaves its body idle for minutes: its body, and the flow run."""
     @flow(task_runner=t.runner())
@@ -70,7 +58,7 @@ def _one_warm(cluster: ClusterProcs, t, log: Path) -> tuple[dict, str]:
     _, flow_run_id = one()
     (body,) = [r.payload["body"] for r in t.plane.records(flow_run_id) if r.kind == "settlement"]
     assert body["kept"], repr([(r.kind, r.payload) for r in t.plane.records(flow_run_id)])[-3000:]
-    wait_until(lambda: any(b["id"] == body["id"] for b in _warm(cluster)), 60, "the body to wait warm")
+    wait_until(lambda: any(b["id"] == body["id"] for b in cluster.warm_bodies()), 60, "the body to wait warm")
     return body, str(flow_run_id)
 
 
@@ -91,7 +79,7 @@ def _tenant(cluster: ClusterProcs, **kw):
 
 
 def test_a_credentials_expiry_ends_its_idle_body_and_stops_its_running_run(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     plane = cluster.plane
     t = _tenant(cluster)
     expires_in = 25.0
@@ -111,9 +99,9 @@ def test_a_credentials_expiry_ends_its_idle_body_and_stops_its_running_run(clust
     runner = threading.Thread(target=lambda: _swallow(both), daemon=True)
     runner.start()
     wait_until(marks.exists, 120, "the second run to be running")
-    assert len(_warm(cluster)) == 1 and time.monotonic() - issued < expires_in, "too slow to test the expiry"
+    assert len(cluster.warm_bodies()) == 1 and time.monotonic() - issued < expires_in, "too slow to test the expiry"
     # Past the expiry: the idle body ends and the running run is stopped, by the watcher, within seconds.
-    wait_until(lambda: not _warm(cluster), expires_in + 30, "the idle body of the expired credential to end")
+    wait_until(lambda: not cluster.warm_bodies(), expires_in + 30, "the idle body of the expired credential to end")
     ended = time.monotonic() - issued
 
     def stopped() -> list:
@@ -138,7 +126,7 @@ def _swallow(f) -> None:
 
 
 def test_a_second_authority_block_for_the_same_principal_gets_a_cold_body(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     first = _tenant(cluster, authority_=authority(principal="team-s/same"), principal="team-s/same")
     # The same principal name, the same grant id, under another authority block.
     second = _tenant(cluster, authority_=authority(principal="team-s/same"), principal="team-s/same")
@@ -155,7 +143,7 @@ def test_a_second_authority_block_for_the_same_principal_gets_a_cold_body(cluste
 
 
 def test_revocation_reaches_an_idle_body_after_the_plane_was_killed_and_started_again(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = _tenant(cluster, authority_=authority(id="restart-root"))
     body, flow_run_id = _one_warm(cluster, t, tmp_path / "loads")  # its row is written before its run's reply
     plane = cluster.plane
@@ -163,10 +151,10 @@ def test_revocation_reaches_an_idle_body_after_the_plane_was_killed_and_started_
     plane.kill()  # SIGKILL: nothing of its memory survives
     plane.args[plane.args.index("--port") + 1] = port
     plane.start()
-    assert len(_warm(cluster)) == 1  # the body waits on, as the worker keeps it
+    assert len(cluster.warm_bodies()) == 1  # the body waits on, as the worker keeps it
     t0 = time.monotonic()
     assert plane.revoke("restart-root", reason="incident").json() == {"revoked": True}
-    wait_until(lambda: not _warm(cluster), 30, "the revoked principal's idle body to end after the restart")
+    wait_until(lambda: not cluster.warm_bodies(), 30, "the revoked principal's idle body to end after the restart")
     ended_after = time.monotonic() - t0
     idle = wait_until(lambda: _idle_records(plane, flow_run_id), 30, "its idle time to be settled")
     time.sleep(1.0)  # a second settlement, were there one, would be recorded by now (the end event came once)
@@ -184,7 +172,7 @@ def test_revocation_reaches_an_idle_body_after_the_plane_was_killed_and_started_
 def test_an_idle_settlement_rides_out_a_postgres_outage(cluster, tmp_path, postgres_url):
     from tests.helpers import CuttingProxy
 
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     host_port = postgres_url.split("@", 1)[1].split("/", 1)[0]
     proxy = CuttingProxy(host_port)
     proxied = postgres_url.replace(host_port, proxy.url.removeprefix("http://"), 1)
@@ -215,7 +203,7 @@ def test_an_idle_settlement_rides_out_a_postgres_outage(cluster, tmp_path, postg
 
 
 def test_a_worker_killed_with_only_idle_bodies_settles_their_idle_time_to_its_death(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = _tenant(cluster)
     body, flow_run_id = _one_warm(cluster, t, tmp_path / "loads")
     with cluster.client() as client:
@@ -236,7 +224,7 @@ def test_a_body_that_ended_while_the_plane_was_down_is_settled_by_what_it_idled(
     """The plane is killed; the body ends on its worker meanwhile (its end event goes nowhere); the plane started
     again reconciles its rows with the worker's report and settles the idle period by the seconds the worker
     measured, not the 600 s keep-warm time its hold covers."""
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = _tenant(cluster)
     body, flow_run_id = _one_warm(cluster, t, tmp_path / "loads")
     plane = cluster.plane
@@ -244,7 +232,7 @@ def test_a_body_that_ended_while_the_plane_was_down_is_settled_by_what_it_idled(
     plane.kill()
     with cluster.client() as client:
         client.sync(client.scheduler.broadcast, msg={"op": "gpu_end_warm", "bodies": [body["id"]]})
-    wait_until(lambda: not _warm(cluster), 30, "the body to end while the plane is down")
+    wait_until(lambda: not cluster.warm_bodies(), 30, "the body to end while the plane is down")
     down_for = 5.0
     time.sleep(down_for)  # the plane stays down a while: its idle time must not count this
     plane.args[plane.args.index("--port") + 1] = port
@@ -260,10 +248,10 @@ def test_a_body_that_ended_while_the_plane_was_down_is_settled_by_what_it_idled(
 
 
 def test_a_budget_cut_below_what_it_holds_ends_an_idle_body(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = _tenant(cluster)
     body, flow_run_id = _one_warm(cluster, t, tmp_path / "loads")  # its idle hold: 600 s of a quarter H100, 0.17
     cluster.plane.apply("budget", t.budget, budget(limit=0.05))  # an operator cuts the budget below that
-    wait_until(lambda: not _warm(cluster), 30, "the idle body of the cut budget to end")
+    wait_until(lambda: not cluster.warm_bodies(), 30, "the idle body of the cut budget to end")
     idle = wait_until(lambda: _idle_records(cluster.plane, flow_run_id), 30, "its idle time to be settled")
     assert len(idle) == 1 and f"budget {t.budget!r} was cut to 0.05" in idle[0].payload["ended"], idle[0].payload

@@ -15,7 +15,7 @@ import pytest
 from prefect import flow
 from prefect.context import FlowRunContext
 
-from tests.clusterprocs import ClusterProcs, single_host
+from tests.clusterprocs import single_host
 from tests.helpers import authority, tenant, wait_until
 from tests.warm_model import Scorer, cold_score, score, whole
 
@@ -36,23 +36,8 @@ def _bodies(records: list) -> list[dict]:
     return [r.payload["body"] for r in records if r.kind == "settlement" and r.payload.get("body")]
 
 
-def _warm(cluster: ClusterProcs) -> list[dict]:
-    with cluster.client() as client:
-        found = client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"})
-    return [b for answer in found.values() for b in answer.get("warm", [])]
-
-
-def _end_all_warm(cluster: ClusterProcs) -> None:
-    """Each test starts on an empty device: bodies a test left warm are ended (and settled) first."""
-    with cluster.client() as client:
-        ids = [b["id"] for b in _warm(cluster)]
-        if ids:
-            client.sync(client.scheduler.broadcast, msg={"op": "gpu_end_warm", "bodies": ids})
-    wait_until(lambda: not _warm(cluster), 30, "the warm bodies of earlier tests to end")
-
-
 def test_a_model_loads_once_per_warm_body_not_once_per_shard(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = tenant(cluster.plane)
     log = tmp_path / "loads"
 
@@ -74,7 +59,7 @@ def test_a_model_loads_once_per_warm_body_not_once_per_shard(cluster, tmp_path):
 
 
 def test_a_callable_class_is_constructed_once_per_body(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = tenant(cluster.plane)
     log = tmp_path / "calls"
 
@@ -89,7 +74,7 @@ def test_a_callable_class_is_constructed_once_per_body(cluster, tmp_path):
 
 
 def test_a_body_that_crashed_is_not_reused(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = tenant(cluster.plane)
     log = tmp_path / "loads"
 
@@ -108,13 +93,13 @@ def test_a_body_that_crashed_is_not_reused(cluster, tmp_path):
     # The crash ran in the first run's warm body; the run after it got a fresh body, which loaded the model again.
     assert bodies[1]["id"] == bodies[0]["id"] != bodies[2]["id"]
     assert after["pid"] != first["pid"] and len(_loads(log)) == 2
-    assert bodies[1]["id"] not in {b["id"] for b in _warm(cluster)}
+    assert bodies[1]["id"] not in {b["id"] for b in cluster.warm_bodies()}
 
 
 def test_a_warm_body_serves_only_its_principal_and_is_evicted_for_another(cluster, tmp_path):
     """Tenant A's four idle bodies fill the GPU; tenant B's run of the same code, then A's second principal's, start
     bodies of their own (A's are evicted for them, before any running work would be preempted)."""
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     a = tenant(cluster.plane)
     b = tenant(cluster.plane, authority_=authority(id="team-b-root", principal="team-b/nightly"),
                principal="team-b/nightly")
@@ -131,7 +116,7 @@ def test_a_warm_body_serves_only_its_principal_and_is_evicted_for_another(cluste
         return {r["pid"] for r in batch()}
 
     a_pids = run(a, tmp_path / "a")
-    wait_until(lambda: len(_warm(cluster)) == len(a_pids), 30, "tenant A's bodies to wait warm")
+    wait_until(lambda: len(cluster.warm_bodies()) == len(a_pids), 30, "tenant A's bodies to wait warm")
     b_pids = run(b, tmp_path / "b")
     a2_pids = run(a2, tmp_path / "a2")
     assert not a_pids & b_pids and not a_pids & a2_pids and not b_pids & a2_pids
@@ -142,7 +127,7 @@ def test_a_warm_body_serves_only_its_principal_and_is_evicted_for_another(cluste
 
 
 def test_revocation_ends_an_idle_warm_body(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = tenant(cluster.plane, authority_=authority(id="revoked-root"))
     log = tmp_path / "loads"
 
@@ -153,10 +138,10 @@ def test_revocation_ends_an_idle_warm_body(cluster, tmp_path):
         return across(1, str(log)), FlowRunContext.get().flow_run.id
 
     _, flow_run_id = one()
-    wait_until(lambda: len(_warm(cluster)) == 1, 30, "the body to wait warm")
+    wait_until(lambda: len(cluster.warm_bodies()) == 1, 30, "the body to wait warm")
     t0 = time.monotonic()
     assert cluster.plane.revoke("revoked-root", reason="incident").json() == {"revoked": True}
-    wait_until(lambda: not _warm(cluster), 30, "the revoked principal's warm body to end")
+    wait_until(lambda: not cluster.warm_bodies(), 30, "the revoked principal's warm body to end")
     ended_after = time.monotonic() - t0
     idle = wait_until(lambda: [r for r in cluster.plane.records(flow_run_id) if r.kind == "warm-idle"], 30,
                       "its idle time to be settled")
@@ -165,7 +150,7 @@ def test_revocation_ends_an_idle_warm_body(cluster, tmp_path):
 
 
 def test_warm_idle_is_held_and_settled_once_per_idle_period(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = tenant(cluster.plane)
     log = tmp_path / "loads"
     short = score.with_options(keep_warm=1.0)
@@ -175,7 +160,7 @@ def test_warm_idle_is_held_and_settled_once_per_idle_period(cluster, tmp_path):
         return [f.result() for f in short.map(range(8), log=str(log))], FlowRunContext.get().flow_run.id
 
     _, flow_run_id = batch()
-    wait_until(lambda: not _warm(cluster), 30, "the bodies' keep-warm time to pass")
+    wait_until(lambda: not cluster.warm_bodies(), 30, "the bodies' keep-warm time to pass")
 
     def settled() -> list:
         records = cluster.plane.records(flow_run_id)
@@ -205,7 +190,7 @@ def test_warm_idle_is_held_and_settled_once_per_idle_period(cluster, tmp_path):
 
 
 def test_a_body_with_keep_warm_zero_ends_after_its_run(cluster, tmp_path):
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     t = tenant(cluster.plane)
     log = tmp_path / "loads"
 
@@ -215,13 +200,13 @@ def test_a_body_with_keep_warm_zero_ends_after_its_run(cluster, tmp_path):
 
     results = batch()
     assert len({r["pid"] for r in results}) == 4 and len(_loads(log)) == 4
-    assert not _warm(cluster)
+    assert not cluster.warm_bodies()
 
 
 def test_a_whole_gpu_run_evicts_idle_shared_bodies_of_another_key(cluster, tmp_path):
     """A's quarter-GPU bodies, warm for 10 minutes, fill the GPU; B's one-GPU run ends them (they are idle) and runs:
     it does not wait out their keep-warm time."""
-    _end_all_warm(cluster)
+    cluster.end_warm_bodies()
     a = tenant(cluster.plane)
     b = tenant(cluster.plane, authority_=authority(id="team-b-root", principal="team-b/nightly"),
                principal="team-b/nightly")
@@ -232,7 +217,7 @@ def test_a_whole_gpu_run_evicts_idle_shared_bodies_of_another_key(cluster, tmp_p
         return {f.result()["pid"] for f in long_warm.map(range(8), log=str(tmp_path / "a"))}
 
     a_pids = fill()
-    wait_until(lambda: len(_warm(cluster)) == len(a_pids) == 4, 30, "A's four bodies to fill the GPU, warm")
+    wait_until(lambda: len(cluster.warm_bodies()) == len(a_pids) == 4, 30, "A's four bodies to fill the GPU, warm")
     with cluster.client() as client:
         before = client.sync(client.scheduler.gpu_queue_status)["evicted"]
 

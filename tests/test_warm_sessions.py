@@ -10,7 +10,6 @@ from prefect.context import FlowRunContext
 
 from tests.clusterprocs import single_host
 from tests.helpers import tenant, wait_until
-from tests.test_warm_bodies import _warm
 from tests.warm_model import score
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -33,7 +32,7 @@ def test_warm_bodies_end_once_their_principals_flows_are_gone(cluster, tmp_path)
         return [f.result() for f in long_warm.map(range(4), log=str(tmp_path / "l"))], FlowRunContext.get().flow_run.id
 
     _, flow_run_id = batch()  # its session polls no more once the flow run ended
-    wait_until(lambda: not _warm(cluster), 60, "the bodies to end once the flow's session lease passed")
+    wait_until(lambda: not cluster.warm_bodies(), 60, "the bodies to end once the flow's session lease passed")
 
     def settled() -> list:
         idle = [r for r in cluster.plane.records(flow_run_id) if r.kind == "warm-idle"]

@@ -58,19 +58,10 @@ def test_the_spare_bodies_past_their_linger_end_longest_idle_first(monkeypatch):
     assert sorted(busy) == ["a", "d"]
 
 
-
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, prefect_api):
     with single_host(tmp_path_factory.mktemp("warm-tail"), env={"AISCHED_MAX_KEEP_WARM_SECONDS": "3600"}) as procs:
         yield procs
-
-
-def _warm(cluster) -> list[dict]:
-    with cluster.client() as client:
-        found = client.sync(client.scheduler.broadcast, msg={"op": "gpu_inventory"})
-    return [b for answer in found.values() for b in answer.get("warm", [])]
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -83,7 +74,7 @@ def test_a_maps_bodies_end_when_nothing_of_their_key_waits_in_its_flow_run(clust
     def batch():
         results = [f.result() for f in long_warm.map(range(12), log=str(log))]
         # The flow run still lives (its session polls): the bodies end because nothing of their key waits.
-        wait_until(lambda: not _warm(cluster), 60, "the map's bodies to end once nothing of their key waits")
+        wait_until(lambda: not cluster.warm_bodies(), 60, "the map's bodies to end once nothing of their key waits")
         return results, FlowRunContext.get().flow_run.id
 
     results, flow_run_id = batch()
@@ -136,7 +127,7 @@ def _explained_and_reported(cluster, flow_run_id: str, shards: int, bodies: int)
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_task_that_asked_to_stay_warm_across_flow_runs_waits_for_the_next(cluster, tmp_path):
-    wait_until(lambda: not _warm(cluster), 60, "earlier bodies to end")
+    wait_until(lambda: not cluster.warm_bodies(), 60, "earlier bodies to end")
     t = tenant(cluster.plane)
     log = tmp_path / "loads"
     service = score.with_options(keep_warm=600, keep_warm_across_flow_runs=True)
@@ -146,9 +137,9 @@ def test_a_task_that_asked_to_stay_warm_across_flow_runs_waits_for_the_next(clus
         return [f.result()["pid"] for f in service.map(range(4), log=str(log))]
 
     first = set(batch())
-    assert len(_warm(cluster)) == len(first)  # still warm after its flow run
+    assert len(cluster.warm_bodies()) == len(first)  # still warm after its flow run
     second = set(batch())
     assert second <= first and len(log.read_text().split("\n")[:-1]) == len(first)  # no new load
     with cluster.client() as client:
-        ids = [b["id"] for b in _warm(cluster)]
+        ids = [b["id"] for b in cluster.warm_bodies()]
         client.sync(client.scheduler.broadcast, msg={"op": "gpu_end_warm", "bodies": ids})

@@ -64,8 +64,8 @@ class WarmTail:
             self._armed = False
         try:
             counts = self._waiting()
-            periods = self.books.idle_periods()
-            ended = excess(periods, lambda k, f: counts.get((k, f), (0, 0))[0], self._linger(), time.monotonic(),
+            periods = self.books.idle_periods()  # `since` on the plane's wall clock (rows carry it across restarts)
+            ended = excess(periods, lambda k, f: counts.get((k, f), (0, 0))[0], self._linger(), time.time(),
                            lambda k, f: counts.get((k, f), (0, 0))[1])
             out = self.books.end_idle(ended, WHY) if ended else []
         except Exception:  # a sweep that failed leaves bodies to their keep-warm time: charged, never lost

@@ -291,9 +291,12 @@ class RunnerSession:
                 error = None
         if not isinstance(error, BaseException):
             error = RuntimeError(f"{reply.error_type}: {reply.error_message}")
+            line = (reply.error_text.strip().splitlines() or [reply.error_message])[-1]
+        else:  # what is raised, in one line (a limit the body reached by its name, not the kernel's errno)
+            line = (f"{type(error).__name__}: {error}".splitlines() or [""])[0]
         where = reply.placement.get("worker")
         logger.warning("AI task %s failed%s: %s", task_name, f" on {where} devices {reply.placement.get('devices')}"
-                       if where else "", (reply.error_text.strip().splitlines() or [reply.error_message])[-1])
+                       if where else "", line)
         raise error
 
     # -- evidence artifact ----------------------------------------------------------------------
