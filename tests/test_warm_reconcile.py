@@ -56,3 +56,31 @@ def test_each_idle_period_is_settled_by_its_real_end_and_unknown_bodies_end():
     assert [p.body for p in books.periods()] == ["waiting", "silent"]
     assert ended == [(["stray"], "no control plane booked it (its run's outcome was lost)")]
     assert done == {"settled": 3, "taken": 1, "unknown_ended": 1}
+
+
+def test_an_earlier_idle_periods_row_written_last_does_not_hide_the_later_one(ledger_url):
+    """Two runs of one body settle on two threads: the row of period 3 may be written after period 4's. A body has
+    one row, so the later period must stay the row's (else a restarted plane's books, and `load`, lose it and its
+    hold waits out the keep-warm time)."""
+    import uuid
+
+    from aisched_prefect.control.admission import Admission
+    from aisched_prefect.control.warm_rows import BodyRows
+    from aisched_prefect.ledger import Ledger
+    from blocks import RunFacts
+    from aisched_prefect.request import AIRequest
+
+    adm = Admission(id="7", credential="c", principal="team-a/nightly", tenant="team-a", flow_run_id=str(uuid.uuid4()),
+                    task_run_id=str(uuid.uuid4()), task_name="score", flow_name="f", run_key="fr/score",
+                    request=AIRequest.build(kind="batch-inference", gpus=0.25, est_seconds=30), workers=[], holds=[],
+                    reserved=0.0, priced_type="H100", chain=["team-a-root"], expires_at=None,
+                    facts=RunFacts(principal="team-a/nightly", kind="batch-inference"), payload_digest="p" * 64,
+                    code_digest="c" * 64)
+    rows = BodyRows(Ledger(ledger_url))
+    for runs in (4, 3):  # the later period's row first, as the race wrote them
+        rows.idle("body-1", runs, adm, [], 30.0, "H100", "tls://w", "k", since=time.time(), started_at=time.time())
+    assert [(r.body, r.runs) for r in rows.load_idle()] == [("body-1", 4)]
+    assert not rows.left_idle("body-1", 3, taken=True, why="a run of its key")  # period 3's end leaves 4 idle
+    assert [(r.body, r.runs) for r in rows.load_idle()] == [("body-1", 4)]
+    rows.idle("body-1", 5, adm, [], 30.0, "H100", "tls://w", "k", since=time.time(), started_at=time.time())
+    assert [(r.body, r.runs) for r in rows.load_idle()] == [("body-1", 5)]

@@ -98,12 +98,14 @@ class WarmBooks:
     def load(self) -> int:
         """The idle bodies the rows know (booked by another replica, or by this plane before it was killed) join
         these books; periods another replica settled leave them. How many are idle now."""
+        read_at = time.time()
         rows = {(r.body, r.runs): r for r in self.rows.load_idle()}
         with self._lock:
             for key, row in rows.items():
                 if key not in self._gone:
                     self._idle.setdefault(key, _period(row))
-            for key in [k for k, p in self._idle.items() if p.stored and k not in rows]:
+            # A period booked while the rows were read is not in them, and is not gone for that.
+            for key in [k for k, p in self._idle.items() if p.stored and k not in rows and p.since < read_at]:
                 del self._idle[key]
             return len(self._idle)
 
@@ -151,7 +153,8 @@ class WarmBooks:
                                                               warm_key(adm), since, since))
         period = WarmIdle(body["id"], key[1], adm, holds, keep, gpu_type, worker, since, stored)
         with self._lock:
-            self._idle[key] = period
+            if key not in self._gone:  # else it ended (its row read) between the row's write and now: settled once
+                self._idle[key] = period
             early = self._early.pop(key, None)
         if early is not None:
             self.ended(body["id"], key[1], *early)
@@ -177,9 +180,8 @@ class WarmBooks:
                 return
             period = self._idle.pop((body, runs), None)
             self._ending.discard(body)
-            self._gone[(body, runs)] = None
-            if len(self._gone) > 10_000:
-                del self._gone[next(iter(self._gone))]
+            if period is not None:
+                self._gone_now((body, runs))
         if period is None:  # booked by another replica, or by this plane's earlier life: its row says
             try:
                 rows = outlasting(lambda: self.rows.load_idle(body, runs), patience=self.patience,
@@ -189,11 +191,14 @@ class WarmBooks:
                 return
             period = _period(rows[0]) if rows else None
             if period is None or (worker is not None and period.worker != worker):
-                if period is None:
+                if period is None:  # its outcome is still being booked (control.warm.started settles it then)
                     with self._lock:
                         if len(self._early) < 100_000:
                             self._early[(body, runs)] = (idle, why)
                 return
+            with self._lock:  # settled from its row: the books here (booked meanwhile) do not hold it again
+                self._idle.pop((body, runs), None)
+                self._gone_now((body, runs))
         seconds = min(max(idle, 0.0), period.keep)
         adm = period.admission
         try:
@@ -208,6 +213,12 @@ class WarmBooks:
             return
         at = period.since + seconds  # when it ended, as far as the books can tell (not when this was heard)
         self._row(body, lambda: self.rows.left_idle(body, runs, taken=taken, why=why, at=at))
+
+    def _gone_now(self, key: tuple[str, int]) -> None:
+        """A period is being settled (the lock held): a row read before, or a booking that finishes after, is stale."""
+        self._gone[key] = None
+        if len(self._gone) > 10_000:
+            del self._gone[next(iter(self._gone))]
 
     def on_event(self, event: tuple[float, dict[str, Any]]) -> None:
         """The worker's `aisched-warm-body` event: a body ended while it waited (runs in the Dask client's loop)."""

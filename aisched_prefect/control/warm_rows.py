@@ -35,14 +35,17 @@ class IdleRow:
     idle_since: float  # the plane's clock (time.time())
 
 
-def _upsert(conn: Any, values: dict[str, Any]) -> None:
+def _upsert(conn: Any, values: dict[str, Any], later_only: bool = False) -> None:
+    """Write a body's one row. `later_only`: never over a later idle period's (two runs of one body settle on two
+    threads, and the earlier period's row written last would hide the later one from a restarted plane's books)."""
     if conn.dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert
     else:
         from sqlalchemy.dialects.sqlite import insert
     stmt = insert(table).values(values)
     conn.execute(stmt.on_conflict_do_update(index_elements=[table.c.body],
-                                            set_={k: stmt.excluded[k] for k in values if k not in ("body", "started_at")}))
+                                            set_={k: stmt.excluded[k] for k in values if k not in ("body", "started_at")},
+                                            where=(table.c.runs <= stmt.excluded.runs) if later_only else None))
 
 
 class BodyRows:
@@ -60,7 +63,7 @@ class BodyRows:
                   "holds": [h.model_dump(mode="json") for h in holds], "keep_seconds": keep, "gpu_type": gpu_type,
                   "started_at": started_at, "idle_since": since, "ended_at": None, "ended_why": None,
                   "updated_at": time.time()}
-        self.ledger.write(lambda conn: _upsert(conn, values))
+        self.ledger.write(lambda conn: _upsert(conn, values, later_only=True))
 
     def ended_cold(self, body: str, adm: Admission, worker: str, key: str, why: str, started_at: float) -> None:
         """A body that ended with its run, or was never held idle (its idle time not covered)."""
