@@ -38,7 +38,7 @@ _WHERE = {
     "EvidenceRecord": "aisched_prefect.evidence",
     "verify_chain": "aisched_prefect.evidence",
     "Ledger": "aisched_prefect.ledger",
-    "evidence_rows": "aisched_prefect.report",
+    "evidence_rows": "aisched_prefect.reports.runs",
     "AIRequest": "aisched_prefect.request",
     "AISchedTaskRunner": "aisched_prefect.flow.runner",
     "ai_task": "aisched_prefect.flow.task",
@@ -94,7 +94,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     )
     from aisched_prefect.evidence import ChainReport, EvidenceRecord, verify_chain
     from aisched_prefect.ledger import Ledger
-    from aisched_prefect.report import evidence_rows
+    from aisched_prefect.reports.runs import evidence_rows
     from aisched_prefect.request import AIRequest
     from aisched_prefect.flow.runner import AISchedTaskRunner
     from aisched_prefect.flow.task import ai_task, request_of

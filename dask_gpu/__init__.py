@@ -1,7 +1,7 @@
 """GPU-aware Dask: inventories, GPU workers, device assignment. No Prefect needed."""
 
-from dask_gpu.queue_plugin import GPUQueuePlugin, install_queue
-from dask_gpu.cluster import (
+from dask_gpu.scheduler.queue import GPUQueuePlugin, install_queue
+from dask_gpu.client.cluster import (
     LocalGPUCluster,
     WorkerView,
     cluster_inventories,
@@ -22,8 +22,8 @@ from dask_gpu.errors import (
     StopRequested,
     WorkerDied,
 )
-from dask_gpu.current import checkpoint, current_devices, stop_requested
-from dask_gpu.execute import (
+from dask_gpu.body.current import checkpoint, current_devices, stop_requested
+from dask_gpu.worker.execute import (
     DeviceRun,
     current_worker,
     current_worker_name,
@@ -42,9 +42,9 @@ from dask_gpu.inventory import (
     nvml_inventory,
     parse_declared,
 )
-from dask_gpu.gang import Rendezvous, rendezvous, torchrun_args
+from dask_gpu.body.gang import Rendezvous, rendezvous, torchrun_args
 from dask_gpu.isolation import IsolationError, IsolationPlan, IsolationSettings, TenantRefused
-from dask_gpu.live import DeviceState
+from dask_gpu.worker.live import DeviceState
 from dask_gpu.request import GPURequest, eligible_workers, worker_restriction
 
 __all__ = [
