@@ -7,9 +7,10 @@ commands that only talk to the control plane must not pay for Prefect, Dask and 
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dask_gpu.lazy import public_names
 
 # The temporary Prefect server a flow starts when no PREFECT_API_URL is set sends a telemetry heartbeat whose first
 # write races the new database's migration and prints a 130-line "database is locked" traceback into the flow's
@@ -55,24 +56,7 @@ _WHERE = {
 }
 
 __all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:  # a submodule (`aisched_prefect.ledger`), as the eager package made them attributes
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, an ordinary attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = public_names(__name__, _WHERE, globals())
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
