@@ -7,9 +7,10 @@ commands that only talk to the control plane must not pay for Prefect, Dask and 
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dask_gpu.lazy import public_names
 
 # The temporary Prefect server a flow starts when no PREFECT_API_URL is set sends a telemetry heartbeat whose first
 # write races the new database's migration and prints a 130-line "database is locked" traceback into the flow's
@@ -38,7 +39,7 @@ _WHERE = {
     "EvidenceRecord": "aisched_prefect.evidence",
     "verify_chain": "aisched_prefect.evidence",
     "Ledger": "aisched_prefect.ledger",
-    "evidence_rows": "aisched_prefect.report",
+    "evidence_rows": "aisched_prefect.reports.runs",
     "AIRequest": "aisched_prefect.request",
     "AISchedTaskRunner": "aisched_prefect.flow.runner",
     "ai_task": "aisched_prefect.flow.task",
@@ -55,24 +56,7 @@ _WHERE = {
 }
 
 __all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:  # a submodule (`aisched_prefect.ledger`), as the eager package made them attributes
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, an ordinary attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = public_names(__name__, _WHERE, globals())
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
@@ -94,7 +78,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     )
     from aisched_prefect.evidence import ChainReport, EvidenceRecord, verify_chain
     from aisched_prefect.ledger import Ledger
-    from aisched_prefect.report import evidence_rows
+    from aisched_prefect.reports.runs import evidence_rows
     from aisched_prefect.request import AIRequest
     from aisched_prefect.flow.runner import AISchedTaskRunner
     from aisched_prefect.flow.task import ai_task, request_of

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from aisched_prefect.control.state import AuthorityState
+from aisched_prefect.control.authority.state import AuthorityState
 from aisched_prefect.ledger import Ledger
 from blocks import ChainBroken, resolve_chain
 

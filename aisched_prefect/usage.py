@@ -39,7 +39,7 @@ def report_usage(*, tokens: int | None = None, input_tokens: int = 0, output_tok
     charge in the budget's currency; without it, tokens are priced by the
     BudgetBlock's token_prices_per_1k.
     """
-    from dask_gpu.child import report
+    from dask_gpu.body.child import report
 
     for name, value in (("tokens", tokens), ("input_tokens", input_tokens), ("output_tokens", output_tokens), ("cost", cost)):
         if value is None:

@@ -102,7 +102,7 @@ class ApprovalView(BaseModel):
 
 
 class DirectResult(BaseModel):
-    """A result its worker kept (dask_gpu.results): the flow fetches it there, once, with the token, and checks its
+    """A result its worker kept (dask_gpu.worker.results): the flow fetches it there, once, with the token, and checks its
     bytes against `digest` (the one the control plane recorded in the settlement) before it unpickles them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.simulate import BASELINES, run_slice  # noqa: E402
 from bench.trace import TRACE  # noqa: E402
 from dask_gpu.policies.config import PolicyConfig  # noqa: E402
-from dask_gpu.simulator import ESTIMATES  # noqa: E402
+from dask_gpu.sim.simulator import ESTIMATES  # noqa: E402
 
 BUSY = ["2017-10-03", "2017-10-06", "2017-10-09", "2017-10-14", "2017-10-18", "2017-10-21", "2017-10-22",
         "2017-10-25", "2017-10-27", "2017-10-31", "2017-11-01", "2017-11-02", "2017-11-07", "2017-11-08",

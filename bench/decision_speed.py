@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dask_gpu import queue_policy  # noqa: E402
+from dask_gpu.sim import policies as queue_policy  # noqa: E402
 from dask_gpu.policies.config import PolicyConfig  # noqa: E402
-from dask_gpu.queue_policy import ClusterState, Job, Running  # noqa: E402
-from dask_gpu.sim_metrics import percentile  # noqa: E402
+from dask_gpu.sim.policies import ClusterState, Job, Running  # noqa: E402
+from dask_gpu.sim.metrics import percentile  # noqa: E402
 
 TARGET_MS = {10_000: 5.0, 100_000: 10.0}
 

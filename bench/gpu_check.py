@@ -78,16 +78,16 @@ def isolated_probe(own: int, others: list[int]) -> dict:
 
 def isolated_check(inventory) -> int:
     """Isolated bodies of one tenant on each GPU in turn, twice, through its zygote in the worker's sandbox (as
-    dask_gpu.plugin builds it): each sees and opens exactly its own device."""
+    dask_gpu.worker.plugin builds it): each sees and opens exactly its own device."""
     import os
     import tempfile
 
     import cloudpickle
 
-    from dask_gpu.bodycode import code_digest
+    from dask_gpu.body.code import code_digest
     from dask_gpu.isolation import IsolationSettings, can_isolate, devices, filesystem
     from dask_gpu.framing import recv_msg, send_msg
-    from dask_gpu.zygote import Zygote
+    from dask_gpu.worker.zygote import Zygote
 
     why = can_isolate(IsolationSettings())
     if why:

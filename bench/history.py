@@ -22,13 +22,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aisched_prefect.control import records
-from aisched_prefect.control.pipeline import Pipeline
-from aisched_prefect.control.identity import new_credential
-from aisched_prefect.control.state import AuthorityState, block_body, content_digest
+from aisched_prefect.control.authority import records
+from aisched_prefect.control.admission.pipeline import Pipeline
+from aisched_prefect.control.authority.identity import new_credential
+from aisched_prefect.control.authority.state import AuthorityState, block_body, content_digest
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.request import AIRequest
-from aisched_prefect.usage_report import publish_flow_run_artifact
+from aisched_prefect.reports.usage import publish_flow_run_artifact
 from aisched_prefect.wire import CallMeta
 from blocks import AuthorityBlock, BudgetBlock, Grant
 

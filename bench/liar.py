@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.days import SETS  # noqa: E402
 from bench.trace import TRACE, load  # noqa: E402
 from dask_gpu.policies.config import PolicyConfig  # noqa: E402
-from dask_gpu.simulator import simulate, with_estimates  # noqa: E402
+from dask_gpu.sim.simulator import simulate, with_estimates  # noqa: E402
 
 
 def mean_jct(outcome, jobs, keep) -> float:

@@ -4,7 +4,7 @@ One flow run maps N calls of an `@ai_task(kind="model-call")` whose model has
 `ModelLimit(per_minute=R)` in the applied ClusterBlock. The control plane
 (`aisched serve --declared ...`, its own process, with its own local GPU
 cluster) takes a slot for each call from the scheduler's model-limits plugin
-(`dask_gpu.limits`) and starts the body at its slot. Prints the slot spacing
+(`dask_gpu.scheduler.limits`) and starts the body at its slot. Prints the slot spacing
 (from the settlements), the rate of the bodies' starts over the whole burst,
 and the starts in every 60 s window (the target: within 5 % of R, with no
 bursts), against the R configured.

@@ -27,10 +27,10 @@ def _trivial_body() -> int:
 def measure(n: int) -> dict[str, dict[str, float]]:
     import cloudpickle
 
-    from dask_gpu.bodycode import code_digest
+    from dask_gpu.body.code import code_digest
     from dask_gpu.framing import recv_msg, send_msg
     from dask_gpu.isolation import IsolationSettings, can_isolate, devices, filesystem, network
-    from dask_gpu.zygote import Zygote
+    from dask_gpu.worker.zygote import Zygote
 
     why = can_isolate(IsolationSettings()) or network.unavailable("pasta", IsolationSettings().pasta)
     if why:

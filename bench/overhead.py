@@ -9,7 +9,7 @@ pricing, grant chain, budget hold + evidence), hands it to Dask with a signed
 ticket, runs the body in its own process on the worker, and settles it.
 Also times one 100 MB result's round trip on each path (AISched's goes from
 its worker to the flow, its digest recorded by the control plane:
-dask_gpu.results; `--transfer-only` runs just that row), and what isolating a
+dask_gpu.worker.results; `--transfer-only` runs just that row), and what isolating a
 body costs (dask_gpu.isolation): the same trivial body started by a tenant's
 zygote as the worker's user and, where the bench runs as root with
 bubblewrap, under a UID and namespaces of its own (`--isolation-only` runs just
@@ -63,7 +63,7 @@ def external_cluster(workers: int, per_worker: str, trusted_key: str, isolation:
     try:
         procs.append(subprocess.Popen(
             [DASK, "worker", "--scheduler-file", scheduler_file, "--nworkers", str(workers), "--nthreads", "8",
-             "--host", "127.0.0.1", "--no-dashboard", "--preload", "dask_gpu.preload"],
+             "--host", "127.0.0.1", "--no-dashboard", "--preload", "dask_gpu.worker.preload"],
             env={**os.environ, "DASK_GPU_DECLARED": per_worker, "DASK_GPU_TRUSTED_KEYS": trusted_key,
                  "DASK_DASK_GPU__ISOLATION__MODE": isolation,
                  "DASK_DASK_GPU__ISOLATION__TENANT": "bench",  # bench/flow's: a worker that cannot isolate needs it
@@ -124,10 +124,10 @@ def body_starts(n: int) -> dict[str, float]:
 
     import cloudpickle
 
-    from dask_gpu.bodycode import code_digest
+    from dask_gpu.body.code import code_digest
     from dask_gpu.isolation import IsolationSettings, can_isolate, devices, filesystem
     from dask_gpu.framing import recv_msg, send_msg
-    from dask_gpu.zygote import Zygote
+    from dask_gpu.worker.zygote import Zygote
 
     payload = cloudpickle.dumps(_trivial_body) + cloudpickle.dumps(((), {}))
     header = json.dumps({"env": {}, "code_digest": code_digest(_trivial_body), "devices": []}).encode()
@@ -149,7 +149,7 @@ def body_starts(n: int) -> dict[str, float]:
             sock = zygote.connect(["cloudpickle"], run)
             pid = json.loads(recv_msg(sock))["pid"]
             cgroup = None
-            if kind.endswith("cgroup"):  # what the worker does per body (dask_gpu.containment): made, filled, removed
+            if kind.endswith("cgroup"):  # what the worker does per body (dask_gpu.worker.containment): made, filled, removed
                 cgroup = BodyCgroup(f"bench-{os.getpid()}-{i}", Limits(memory_bytes=2**30, pids=4096, cpu_shares=1024),
                                     devices=[], root="aisched-bench")
                 cgroup.add(pid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dask_gpu.simulator import Outcome
+from dask_gpu.sim.simulator import Outcome
 
 ESTIMATE_WORDS = {"user": "user (rounded up to modal limits, 20 % asked far too long)",
                   "oracle": "oracle (the real run times: a bound)", "none": "none (every job says the time limit)"}

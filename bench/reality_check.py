@@ -8,7 +8,7 @@ task submitted at its (scaled) submit time and declaring its (scaled) estimate
 as est_seconds (`--estimates`: a user's rounded-up limit by default, as
 `bench/simulate.py`; `oracle`: its real run time), sleeping its real run time; jobs wider than a host run as gangs across whole workers (the
 slice must hold at least one, across two workers). The same jobs go through
-the simulator (`dask_gpu.simulator`) with the same policy, estimates and
+the simulator (`dask_gpu.sim.simulator`) with the same policy, estimates and
 cluster shape. Prints makespan and mean JCT of both, and real / simulated.
 
     .venv/bin/python bench/reality_check.py --jobs 30 --scale 600 [--estimates user|oracle|none]
@@ -37,8 +37,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from bench.trace import TRACE, load  # noqa: E402
 from dask_gpu.policies.config import PolicyConfig  # noqa: E402
-from dask_gpu.queue_policy import Job, is_gang  # noqa: E402
-from dask_gpu.simulator import ESTIMATES, simulate, with_estimates  # noqa: E402
+from dask_gpu.sim.policies import Job, is_gang  # noqa: E402
+from dask_gpu.sim.simulator import ESTIMATES, simulate, with_estimates  # noqa: E402
 
 MIN_SECONDS = 0.2  # the shortest sleep a job gets
 

@@ -3,7 +3,7 @@
     .venv/bin/python bench/simulate.py --start 2017-10-22 --end 2017-10-23 --hosts 8 --gpus 8 \
         --max-duration 21600 --long clip --tenants 10 [--estimates user|oracle|none]
 
-What the policies are told about each job's length is `--estimates` (`dask_gpu.simulator.with_estimates`):
+What the policies are told about each job's length is `--estimates` (`dask_gpu.sim.simulator.with_estimates`):
 `user` (the default: rounded up to users' modal limits, a fraction asked far too long), `oracle` (the real
 duration: a bound) or `none` (every job says the cluster's time limit). Jobs still run their real time.
 Prints one row per policy: makespan, makespan / LB+, mean and p95 job
@@ -30,11 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.trace import TRACE, BadTime, load, offered_load  # noqa: E402
-from dask_gpu.queue_policy import (EasyBackfill, Fifo, Las2D, MaxMinFair, PlainDask, Policy,  # noqa: E402
+from dask_gpu.sim.policies import (EasyBackfill, Fifo, Las2D, MaxMinFair, PlainDask, Policy,  # noqa: E402
                                    SjfEasy)
 from dask_gpu.policies.config import PolicyConfig  # noqa: E402
 from dask_gpu.policies.time_limits import TimeLimits  # noqa: E402
-from dask_gpu.simulator import ESTIMATES, LIVE_LIMITS, Outcome, _unit, simulate, with_estimates  # noqa: E402
+from dask_gpu.sim.simulator import ESTIMATES, LIVE_LIMITS, Outcome, _unit, simulate, with_estimates  # noqa: E402
 
 BASELINES = ("easy-backfill", "sjf-easy", "las-2d", "max-min")  # what "best baseline" is taken over
 

@@ -23,7 +23,7 @@ from bench.days import SETS, median  # noqa: E402
 from bench.simulate import _unit, load, with_estimates  # noqa: E402
 from bench.trace import TRACE  # noqa: E402
 from dask_gpu.policies.config import PolicyConfig  # noqa: E402
-from dask_gpu.simulator import simulate  # noqa: E402
+from dask_gpu.sim.simulator import simulate  # noqa: E402
 
 LIGHT = 0.05  # a tenant with less than this part of the day's GPU time is light
 

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.days import SETS, _value  # noqa: E402
 from bench.trace import TRACE, load  # noqa: E402
-from dask_gpu import queue_policy  # noqa: E402
-from dask_gpu.queue_policy import EasyBackfill  # noqa: E402
-from dask_gpu.simulator import alone, simulate  # noqa: E402
+from dask_gpu.sim import policies as queue_policy  # noqa: E402
+from dask_gpu.sim.policies import EasyBackfill  # noqa: E402
+from dask_gpu.sim.simulator import alone, simulate  # noqa: E402
 
 _DAYS: dict[str, tuple] = {}
 

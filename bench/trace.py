@@ -13,7 +13,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dask_gpu.queue_policy import Job
+from dask_gpu.sim.policies import Job
 
 TRACE = Path(__file__).resolve().parent.parent / "data" / "philly.csv"
 

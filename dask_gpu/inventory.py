@@ -13,7 +13,7 @@ import socket
 from pydantic import BaseModel, ConfigDict, Field
 
 from dask_gpu.errors import InventorySpecError
-from dask_gpu.slurm_allocation import SlurmAllocation, allocation
+from dask_gpu.slurm.allocation import SlurmAllocation, allocation
 
 DECLARED_ENV = "DASK_GPU_DECLARED"
 """Environment variable holding a declared inventory, e.g. ``"2 workers x 2 GPUs, 80 GB, H100"``."""
@@ -55,7 +55,7 @@ class WorkerInventory(BaseModel):
     devices: tuple[GPUDevice, ...] = ()
     source: str = "declared"  # "nvml" or "declared"
     host: str = Field(default_factory=socket.gethostname)
-    slurm_job: str | None = None  # the Slurm job this worker runs in (dask_gpu.slurm_allocation), None outside one
+    slurm_job: str | None = None  # the Slurm job this worker runs in (dask_gpu.slurm.allocation), None outside one
     tenant: str | None = None  # the one tenant whose bodies it runs (started with --tenant), None: any tenant
 
     def serves(self, tenant: str | None) -> bool:

@@ -212,7 +212,7 @@ def eligible_workers(request: GPURequest, inventories: dict[str, WorkerInventory
     if not inventories:
         raise InfeasibleRequest(
             f"request ({request.describe()}) cannot be placed: the cluster has no workers; "
-            "start GPU workers (LocalGPUCluster, or `dask worker --preload dask_gpu.preload`)"
+            "start GPU workers (LocalGPUCluster, or `dask worker --preload dask_gpu.worker.preload`)"
         )
     addr, largest = _largest(inventories)
     hosts = _hosts_that_would_hold(request, inventories)

@@ -28,7 +28,7 @@ from aisched_prefect import (
     run_subprocess,
     task_logger,
 )
-from aisched_prefect.report import MONEY_NOTE, for_display
+from aisched_prefect.reports.runs import MONEY_NOTE, for_display
 from blocks import ApprovalPolicyBlock, ApprovalRule, AuthorityBlock, BudgetBlock, BudgetLimit, Grant
 
 DECLARED = os.environ.get("DASK_GPU_DECLARED", "2 workers x 2 GPUs, 80 GB, H100")

@@ -190,7 +190,7 @@ class RawCall:
         from aisched_prefect.flow.client import ControlPlaneClient
         from aisched_prefect.flow.task import request_of
         from aisched_prefect.wire import CallMeta
-        from dask_gpu.bodycode import code_digest
+        from dask_gpu.body.code import code_digest
 
         body = task.fn.__wrapped__  # what the runner sends: the function @ai_task wraps
         fn = cloudpickle.dumps(body)

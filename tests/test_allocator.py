@@ -4,7 +4,7 @@ import time
 import pytest
 
 from dask_gpu import DeviceUnavailable, GPURequest
-from dask_gpu.allocator import DeviceAllocator
+from dask_gpu.worker.allocator import DeviceAllocator
 from dask_gpu.inventory import declared_worker_inventories
 
 

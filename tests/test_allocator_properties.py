@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_gpu import DeviceUnavailable, GPURequest, WorkerInventory
-from dask_gpu.allocator import DeviceAllocator
+from dask_gpu.worker.allocator import DeviceAllocator
 from dask_gpu.inventory import GPUDevice
 
 TYPES = ["H100", "A100", "A10"]
@@ -129,7 +129,7 @@ def test_live_state_keeps_a_device_filled_by_another_process_out():
 
 
 def test_declared_devices_have_no_live_state():
-    from dask_gpu.live import sample
+    from dask_gpu.worker.live import sample
     from dask_gpu.inventory import declared_worker_inventories
 
     assert sample(declared_worker_inventories("2 GPUs, 80 GB, H100")[0]) is None

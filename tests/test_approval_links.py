@@ -164,9 +164,9 @@ def test_an_approver_signs_in_once_and_answers_with_a_short_id_from_the_cli(cont
 
 def test_links_are_stored_hashed_answer_once_and_end_at_the_deadline(sqlite_url):
     """The link book without a server: made for one approver and request, valid until the request's deadline."""
-    from aisched_prefect.control.approval_proof import ApprovalError
-    from aisched_prefect.control.approvals import ApprovalBook, approvals
-    from aisched_prefect.control.state import AuthorityState
+    from aisched_prefect.control.approvals.proof import ApprovalError
+    from aisched_prefect.control.approvals.requests import ApprovalBook, approvals
+    from aisched_prefect.control.authority.state import AuthorityState
     from aisched_prefect.ledger import Ledger
 
     ledger = Ledger(sqlite_url)

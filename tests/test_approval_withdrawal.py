@@ -126,11 +126,11 @@ def test_a_request_whose_flow_process_died_is_withdrawn_after_the_lease_and_a_su
     released), one still polled is kept, and a suspended deployment run's request (no process by design) is never
     swept."""
     from aisched_prefect.approvals import ApprovalDecision
-    from aisched_prefect.control.admission import Admission
-    from aisched_prefect.control.approval_proof import ApprovalError
-    from aisched_prefect.control.approval_waiters import Waiters
-    from aisched_prefect.control.approvals import ApprovalBook
-    from aisched_prefect.control.state import AuthorityState
+    from aisched_prefect.control.admission.record import Admission
+    from aisched_prefect.control.approvals.proof import ApprovalError
+    from aisched_prefect.control.approvals.waiters import Waiters
+    from aisched_prefect.control.approvals.requests import ApprovalBook
+    from aisched_prefect.control.authority.state import AuthorityState
     from aisched_prefect.ledger import Ledger
     from aisched_prefect.request import AIRequest
     from blocks import BudgetLine, RunFacts

@@ -253,9 +253,9 @@ def test_holds_of_a_request_waiting_for_a_person_are_kept_until_its_deadline_the
     """A hold's lease runs out when nobody renews it, and a run-out hold is charged in full. A request waiting
     for a person ran nothing: the control plane renews its holds while it waits and releases them at its
     deadline, also when the flow process that asked is gone."""
-    from aisched_prefect.control.admission import Admission
-    from aisched_prefect.control.approvals import ApprovalBook
-    from aisched_prefect.control.state import AuthorityState
+    from aisched_prefect.control.admission.record import Admission
+    from aisched_prefect.control.approvals.requests import ApprovalBook
+    from aisched_prefect.control.authority.state import AuthorityState
     from aisched_prefect.ledger import Ledger
     from aisched_prefect.request import AIRequest
     from blocks import BudgetLine, RunFacts

@@ -18,7 +18,7 @@ from prefect import flow
 from prefect.context import FlowRunContext
 
 from aisched_prefect import AdmissionDenied, InvalidUsage, NoAdmissionContext, ai_task, evidence_rows, report_usage
-from aisched_prefect.report import explain
+from aisched_prefect.reports.runs import explain
 from blocks import BudgetBlock, BudgetLimit
 from dask_gpu import checkpoint
 from tests.helpers import authority, tenant
@@ -202,7 +202,7 @@ def test_a_body_that_reports_around_report_usage_is_checked_again_by_the_control
 
     @ai_task(kind="model-call", model="gpt-x", est_tokens=1000)
     def liar(report):
-        from dask_gpu.child import report as send
+        from dask_gpu.body.child import report as send
 
         send({"usage": report})
         return "free lunch"
@@ -338,7 +338,7 @@ def test_holds_of_a_killed_control_plane_expire_after_their_lease(gpu_cluster, p
         (after,) = ledger.history()
         assert after["status"] == "expired" and after["charged"] == after["reserved"]  # outcome unknown: charged in full
         assert ledger.verify().ok
-        from aisched_prefect.usage_report import usage_rows
+        from aisched_prefect.reports.usage import usage_rows
 
         (row,) = usage_rows(ledger)  # reported as what it held, with the request it was admitted for
         assert (row.outcome, row.gpus, row.kind, row.seconds) == ("expired", 0.25, "inference", None)
@@ -408,7 +408,7 @@ def test_a_grants_budget_share_caps_what_all_its_runs_hold_together(control_plan
 def test_a_run_being_settled_takes_no_top_up():
     """The watcher's top-up and the run's settlement exclude each other: a hold taken after the settlement read
     the run's holds would stay pending, then expire charged in full for time that never ran."""
-    from aisched_prefect.control.running import Running
+    from aisched_prefect.control.dispatch.running import Running
 
     r = Running(admission=None, key="k", holds=[], covered_seconds=1.0, submitted=0.0)  # type: ignore[arg-type]
     reserved: list[str] = []

@@ -98,7 +98,7 @@ def test_a_completed_calls_result_token_is_kept_sealed_and_opens_only_for_its_ca
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from aisched_prefect.control.calls import TOKEN_PURPOSE, TokenSeal
-    from aisched_prefect.control.keys import derived_secret
+    from aisched_prefect.control.authority.keys import derived_secret
 
     ledger = Ledger(ledger_url)
     key_file = Ed25519PrivateKey.generate()
@@ -156,7 +156,7 @@ def test_a_small_results_bytes_are_kept_sealed_with_its_reply_for_a_plane_that_r
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from aisched_prefect.control.calls import KEEP_RESULT_BYTES, TOKEN_PURPOSE, TokenSeal
-    from aisched_prefect.control.keys import derived_secret
+    from aisched_prefect.control.authority.keys import derived_secret
 
     ledger = Ledger(ledger_url)
     key_file = Ed25519PrivateKey.generate()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from aisched_prefect.control import records
-from aisched_prefect.control.configuration import Configuration
+from aisched_prefect.control.authority import records
+from aisched_prefect.control.authority.configuration import Configuration
 from aisched_prefect.control.service import ControlPlane, load_or_make_key
-from aisched_prefect.control.state import AuthorityState, block_body
+from aisched_prefect.control.authority.state import AuthorityState, block_body
 from aisched_prefect.errors import InvalidConfig
 from aisched_prefect.ledger import Ledger
 from blocks import AuthorityBlock, BudgetBlock, BudgetLimit, Grant

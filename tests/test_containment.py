@@ -1,4 +1,4 @@
-"""The worker's cgroup policy over its bodies (dask_gpu.containment), on this host's real cgroups."""
+"""The worker's cgroup policy over its bodies (dask_gpu.worker.containment), on this host's real cgroups."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from dask_gpu.containment import sweep_stale
+from dask_gpu.worker.containment import sweep_stale
 from dask_gpu.isolation.cgroups import BodyCgroup, Limits, cgroups_available
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or cgroups_available() is not None,

@@ -86,7 +86,7 @@ def test_run_subprocess_sees_exactly_its_devices(dask_client):
 
 
 def test_worker_entry_points_join_an_existing_scheduler_as_separate_hosts(tmp_path):
-    """`dask worker --preload dask_gpu.preload` and `dask-gpu-worker --declared`, as the README tells operators."""
+    """`dask worker --preload dask_gpu.worker.preload` and `dask-gpu-worker --declared`, as the README tells operators."""
     import os
     import subprocess
     import sys
@@ -101,7 +101,7 @@ def test_worker_entry_points_join_an_existing_scheduler_as_separate_hosts(tmp_pa
         address = cluster.scheduler_address
         workers = [
             subprocess.Popen([os.path.join(bin_dir, "dask"), "worker", address, *common, "--name", "l40s-host",
-                              "--preload", "dask_gpu.preload"],
+                              "--preload", "dask_gpu.worker.preload"],
                              env={**env, "DASK_GPU_DECLARED": "2 GPUs, 48 GB, L40S"},
                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "l40s-host.log", "w")),
             subprocess.Popen([os.path.join(bin_dir, "dask-gpu-worker"), address, *common, "--name", "a100-host",
@@ -180,7 +180,7 @@ def test_a_worker_that_stopped_answering_is_left_out_of_a_broadcast_not_waited_f
     from distributed import Client
 
     from dask_gpu import LocalGPUCluster
-    from dask_gpu.cluster import BROADCAST_SECONDS_KEY, cluster_inventories
+    from dask_gpu.client.cluster import BROADCAST_SECONDS_KEY, cluster_inventories
 
     with LocalGPUCluster(declared="2 workers x 1 GPUs, 80 GB, H100") as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=120)

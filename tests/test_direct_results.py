@@ -20,12 +20,13 @@ import httpx
 import pytest
 
 from aisched_prefect.flow import direct
-from aisched_prefect.control import calls, keys, outcomes
+from aisched_prefect.control import calls, outcomes
+from aisched_prefect.control.authority import keys
 from aisched_prefect.control.outcomes import direct_reply, result_evidence
 from aisched_prefect.errors import ResultLost, ResultMismatch
 from aisched_prefect.wire import DirectResult, Reply
-from dask_gpu import results
-from dask_gpu.results import DirectResults, ResultSettings, ResultStore
+from dask_gpu.worker import results
+from dask_gpu.worker.results import DirectResults, ResultSettings, ResultStore
 from tests.helpers import wait_until
 
 MiB = 2**20

@@ -11,7 +11,7 @@ from prefect import flow
 from prefect.context import FlowRunContext
 
 from aisched_prefect import ai_task
-from aisched_prefect.report import explain
+from aisched_prefect.reports.runs import explain
 from tests.helpers import authority, tenant
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -48,6 +48,6 @@ def test_explain_shows_the_factor_the_queue_planned_a_run_on(control_plane):
 def test_the_plan_line_reads_as_its_examples_say():
     import doctest
 
-    import aisched_prefect.report
+    import aisched_prefect.reports.runs
 
-    assert doctest.testmod(aisched_prefect.report).failed == 0
+    assert doctest.testmod(aisched_prefect.reports.runs).failed == 0

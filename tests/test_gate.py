@@ -19,11 +19,11 @@ def _live_tables(tmp_path) -> dict[str, tuple[set[str], set[str], object, object
 
     async def main() -> dict:
         async with Scheduler(protocol="tls", security=tls.security("scheduler"), dashboard_address=":0",
-                             host="127.0.0.1", preload=["dask_gpu.scheduler_preload"]) as s:
+                             host="127.0.0.1", preload=["dask_gpu.scheduler.preload"]) as s:
             async with Worker(s.address, security=tls.security("cluster"), host="127.0.0.1",
-                              preload=["dask_gpu.preload"]) as w:
+                              preload=["dask_gpu.worker.preload"]) as w:
                 nanny = Nanny(s.address, security=tls.security("cluster"), host="127.0.0.1")
-                gate.gate_nanny(nanny)  # what dask_gpu.nanny_preload does when the nanny starts
+                gate.gate_nanny(nanny)  # what dask_gpu.worker.nanny_preload does when the nanny starts
                 return {"scheduler": (set(s.handlers), set(s.stream_handlers), s.handlers, s),
                         "worker": (set(w.handlers), set(w.stream_handlers), w.handlers, w),
                         "nanny": (set(nanny.handlers), set(getattr(nanny, "stream_handlers", {})), nanny.handlers,
@@ -92,7 +92,7 @@ def test_a_registered_workers_stream_cannot_submit_tasks_or_forge_events(tmp_pat
 
     async def main() -> list[str]:
         async with Scheduler(protocol="tls", security=tls.security("scheduler"), dashboard_address=":0",
-                             host="127.0.0.1", preload=["dask_gpu.scheduler_preload"]) as s:
+                             host="127.0.0.1", preload=["dask_gpu.scheduler.preload"]) as s:
             async with Worker(s.address, security=tls.security("cluster"), host="127.0.0.1") as w:
                 w.batched_stream.send({"op": "update-graph", "graph_header": {}, "graph_frames": [],
                                        "keys": ["owned"], "span_metadata": {}})

@@ -29,7 +29,7 @@ def answer(x: int) -> int:
 
 
 def test_the_idle_time_is_cut_so_run_and_idle_fit_the_smallest_cap():
-    from aisched_prefect.control.idle_price import idle_price
+    from aisched_prefect.control.admission.idle_price import idle_price
 
     req = AIRequest(gpus=0.25, gpu_type="H100", kind="inference", est_seconds=200)
     chain = [Grant(id="root", principal="p", max_cost_per_run=1.0), Grant(id="leaf", principal="p", max_cost_per_run=0.1)]
@@ -84,7 +84,7 @@ def test_an_approval_threshold_counts_the_idle_hold(cluster):
     view = reply.approval
     assert view.idle_seconds == 300 and view.idle_cost == pytest.approx(300 * IDLE_RATE)
     assert view.est_cost == pytest.approx(RUN + 300 * IDLE_RATE)
-    from aisched_prefect.control.approval_page import _idle
+    from aisched_prefect.control.approvals.page import _idle
 
     assert "up to 5 min after the run" in _idle(view.model_dump())
     call.close()

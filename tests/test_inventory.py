@@ -77,7 +77,7 @@ def test_each_entry_point_names_the_setting_that_was_wrong(monkeypatch):
 
     from aisched_prefect.cli import app
     from dask_gpu import LocalGPUCluster
-    from dask_gpu.worker_cli import main as worker_main
+    from dask_gpu.worker.cli import main as worker_main
 
     monkeypatch.delenv(DECLARED_ENV, raising=False)
     with pytest.raises(SystemExit) as out:  # fails before it connects anywhere

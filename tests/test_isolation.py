@@ -23,9 +23,9 @@ import psutil
 import pytest
 
 from dask_gpu import GPURequest
-from dask_gpu.bodycode import code_digest
+from dask_gpu.body.code import code_digest
 from dask_gpu.isolation import IsolationSettings, TenantRefused, can_isolate
-from dask_gpu.sandbox import Body, run_ticketed
+from dask_gpu.worker.sandbox import Body, run_ticketed
 from dask_gpu.tickets import TicketSigner, digest
 from tests.clusterprocs import BIN, ClusterProcs
 from tests.helpers import wait_until
@@ -258,7 +258,7 @@ def submit(client, signer, tenant: str, fn, *args, worker: str = "iso", key: str
 
 
 def test_two_tenants_bodies_on_one_root_worker_cannot_reach_each_other_or_the_worker(cluster, signer):
-    from dask_gpu.cluster import cluster_view, worker_addresses
+    from dask_gpu.client.cluster import cluster_view, worker_addresses
 
     with cluster.client() as client:
         views = {v.name: v for v in cluster_view(client)}
@@ -330,7 +330,7 @@ def test_bodies_of_one_tenant_on_different_gpus_each_keep_their_own_node(cluster
     """Two bodies of one tenant at once on GPUs 0 and 1, then a third on GPU 0: each sees and opens exactly its own
     node. (Each body's /dev was the /dev its tenant's zygote and bodies share, with the other nodes unlinked from it:
     the third body found no node at all.)"""
-    from dask_gpu.cluster import worker_addresses
+    from dask_gpu.client.cluster import worker_addresses
 
     with cluster.client() as client:
         address = worker_addresses(client)["iso"]
@@ -391,7 +391,7 @@ def test_a_body_leaves_nothing_in_its_uids_kernel_keyring_for_a_later_tenant(clu
 def test_a_3000_deep_working_directory_is_removed_when_its_body_ends(cluster, signer):
     """A body leaves a 3,000-deep tree (past CPython 3.11's recursive rmtree) and a symlink to /usr in its working
     directory: the worker removes all of it without following the link, and says nothing of a RecursionError."""
-    from dask_gpu.cluster import worker_addresses
+    from dask_gpu.client.cluster import worker_addresses
 
     with cluster.client() as client:
         address = worker_addresses(client)["iso"]

@@ -20,9 +20,9 @@ import cloudpickle
 import pytest
 
 from dask_gpu import GPURequest
-from dask_gpu.bodycode import code_digest
+from dask_gpu.body.code import code_digest
 from dask_gpu.isolation import IsolationError, IsolationSettings, plan_for
-from dask_gpu.sandbox import Body, run_ticketed
+from dask_gpu.worker.sandbox import Body, run_ticketed
 from dask_gpu.tickets import TicketSigner, digest
 from tests.clusterprocs import ClusterProcs
 from tests.helpers import wait_until
@@ -203,7 +203,7 @@ def _value(future):
 def test_a_tenants_body_cannot_reach_another_tenants_abstract_socket_or_loopback_listener(cluster, signer):
     from pathlib import Path
 
-    from dask_gpu.cluster import cluster_view, worker_addresses
+    from dask_gpu.client.cluster import cluster_view, worker_addresses
 
     name = f"aisched-b-{time.monotonic_ns()}"
     with cluster.client() as client:
@@ -277,7 +277,7 @@ def test_outbound_is_as_configured_and_never_the_hosts_loopback(cluster, signer)
 
 
 def test_a_two_member_gang_meets_across_isolated_workers(cluster, signer):
-    from dask_gpu.cluster import worker_addresses
+    from dask_gpu.client.cluster import worker_addresses
 
     request = GPURequest(gpus=2, hosts=2, gpu_type="L4")
     body = Body(payload=cloudpickle.dumps(meet) + cloudpickle.dumps(((), {})))

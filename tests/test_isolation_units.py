@@ -10,7 +10,7 @@ from dask_gpu.isolation import (IsolationError, IsolationPlan, IsolationSettings
 from dask_gpu.isolation import devices, filesystem
 from dask_gpu.isolation.identity import UidPool
 from dask_gpu.tickets import Ticket, TicketSigner
-from dask_gpu.zygote import installed
+from dask_gpu.worker.zygote import installed
 
 
 def test_settings_name_the_field_and_the_fix():
@@ -140,7 +140,7 @@ def test_the_body_environment_has_nothing_of_the_workers(monkeypatch):
 
 
 def test_an_isolated_zygote_imports_as_root_only_installed_packages_and_the_workers_own():
-    assert installed("json") and installed("cloudpickle") and installed("dask_gpu.sandbox")
+    assert installed("json") and installed("cloudpickle") and installed("dask_gpu.worker.sandbox")
     assert not installed("tests.test_isolation_units")  # a flow's own module: its body imports it, unprivileged
     assert not installed("no_such_module_anywhere")
 

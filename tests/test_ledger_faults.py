@@ -151,7 +151,7 @@ def test_a_database_failure_leaves_the_plane_as_a_503_with_its_cause():
     import psycopg
     from fastapi.testclient import TestClient
 
-    from aisched_prefect.control.app import build_app
+    from aisched_prefect.control.http.app import build_app
 
     class Credentials:  # all the route reaches: the credential check, which reads the log; the database is gone
         def authenticate(self, *_):
@@ -172,7 +172,7 @@ def test_a_database_refusal_that_is_not_an_outage_still_names_its_cause():
     import psycopg
     from fastapi.testclient import TestClient
 
-    from aisched_prefect.control.app import build_app
+    from aisched_prefect.control.http.app import build_app
 
     class Credentials:
         def authenticate(self, *_):

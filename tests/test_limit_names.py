@@ -6,7 +6,7 @@ import errno
 
 import cloudpickle
 
-from dask_gpu.limit_names import LimitReached, limit_reached, name_the_limit
+from dask_gpu.body.limit_names import LimitReached, limit_reached, name_the_limit
 
 
 def test_a_fork_refused_eagain_is_the_pid_limit():
@@ -16,7 +16,7 @@ def test_a_fork_refused_eagain_is_the_pid_limit():
     assert isinstance(named, LimitReached)
     assert out["error_message"].startswith("the body reached its process limit, PIDs")
     assert "body-pids" in out["error_message"] and "Fix: " in out["error_message"]
-    assert out["error_type"] == "dask_gpu.limit_names.LimitReached"
+    assert out["error_type"] == "dask_gpu.body.limit_names.LimitReached"
     assert isinstance(cloudpickle.loads(cloudpickle.dumps(named)), LimitReached)  # travels to the flow as itself
 
 

@@ -1,7 +1,7 @@
 """A `.map()` is admitted as one request: its elements share one decision, each holds and is recorded on its own.
 
 Stages 0-4 (configuration, feasibility, pricing, authority, approval policy) are taken once for the elements of a
-map with the same request over the same snapshot of authority (aisched_prefect/control/decisions.py); each element still takes its own
+map with the same request over the same snapshot of authority (aisched_prefect/control/admission/decisions.py); each element still takes its own
 budget hold, has its own admission record (naming the element whose admission decided it: `decided_with`) and its
 own settlement. A revocation makes a new snapshot: no element is admitted on a decision taken before it.
 """

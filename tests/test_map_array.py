@@ -1,7 +1,7 @@
 """A `.map()` of an AI task is one job array: decided once, asked once, each shard still its own run.
 
 The flow marks the shards of one `.map()` as one array (`CallMeta.array`); the control plane takes the array's
-decision once (configuration, feasibility, pricing, authority, the approval rule: control/decisions.py), and where
+decision once (configuration, feasibility, pricing, authority, the approval rule: control/admission/decisions.py), and where
 the policy asks a person the first shard's request is the whole map's. Each shard still holds its own budget, and
 is admitted, settled and recorded on its own. A shard the budget cannot cover is refused by name; a revocation
 stops the array's running shard and admits none of its waiting ones.

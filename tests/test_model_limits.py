@@ -1,7 +1,7 @@
 """Model-call limits: a batch of LLM calls respects a provider's concurrency and rate limits, across flow runs.
 
 The limits live where the queue lives: the control plane takes a slot for every model call it runs from the
-scheduler's model-limits plugin (dask_gpu.limits), so every flow (and every replica) shares the count, and a
+scheduler's model-limits plugin (dask_gpu.scheduler.limits), so every flow (and every replica) shares the count, and a
 burst runs at the configured rate (each start its own slot, 60/per_minute apart), without bursts or back-off.
 """
 
@@ -251,7 +251,7 @@ def test_model_limit_slots_go_first_come_first_served_and_come_back_from_a_clien
     a waiter that gives up passes on a slot handed to it; a client that goes away gives its slots back."""
     import asyncio
 
-    from dask_gpu.limits import ModelLimits
+    from dask_gpu.scheduler.limits import ModelLimits
 
     async def scenario():
         lim = ModelLimits()
@@ -280,7 +280,7 @@ def test_model_limit_slots_go_first_come_first_served_and_come_back_from_a_clien
 def test_rate_slots_are_spaced_whatever_the_concurrency():
     import asyncio
 
-    from dask_gpu.limits import ModelLimits
+    from dask_gpu.scheduler.limits import ModelLimits
 
     async def burst():
         lim = ModelLimits()
@@ -296,7 +296,7 @@ def test_a_call_that_will_not_start_gives_its_rate_slot_back_if_it_was_the_last(
     already told later slots (they keep theirs; the freed one is not handed out twice)."""
     import asyncio
 
-    from dask_gpu.limits import ModelLimits
+    from dask_gpu.scheduler.limits import ModelLimits
 
     async def scenario():
         lim = ModelLimits()

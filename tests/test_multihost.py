@@ -225,8 +225,8 @@ def test_a_gang_that_cannot_fit_or_was_not_asked_for_is_denied_at_once_naming_wh
 
 
 def test_the_queue_places_a_fixed_width_gang_on_the_smallest_workers_that_hold_its_share():
-    from dask_gpu.queue_plugin import GPUQueuePlugin
-    from dask_gpu.queue_policy import ClusterState, FairShare, Job, gang_fit, reservation
+    from dask_gpu.scheduler.queue import GPUQueuePlugin
+    from dask_gpu.sim.policies import ClusterState, FairShare, Job, gang_fit, reservation
 
     job = Job(0, "a", 8, 0.0, 60.0, width=2)
     assert gang_fit(job, [8, 4, 4, 4], [8, 4, 4, 4]) == ((1, 4), (2, 4))

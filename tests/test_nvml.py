@@ -14,8 +14,8 @@ import types
 import pytest
 
 from dask_gpu import GPURequest, gpu_env, nvml_inventory
-from dask_gpu.allocator import DeviceAllocator
-from dask_gpu.live import sample
+from dask_gpu.worker.allocator import DeviceAllocator
+from dask_gpu.worker.live import sample
 
 GiB = 2**30
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from aisched_prefect import ai_task
-from aisched_prefect.control.state import block_body
+from aisched_prefect.control.authority.state import block_body
 from tests.helpers import authority, budget
 
 

@@ -13,7 +13,7 @@ runner = CliRunner()
 
 
 def test_the_scheduler_listens_on_loopback_unless_told():
-    from dask_gpu.scheduler_cli import listen_defaults
+    from dask_gpu.scheduler.cli import listen_defaults
 
     assert listen_defaults(["--port", "8786"]) == ["--port", "8786", "--host", "127.0.0.1",
                                                     "--dashboard-address", "127.0.0.1:8787"]
@@ -24,7 +24,7 @@ def test_the_scheduler_listens_on_loopback_unless_told():
 
 
 def test_a_worker_listens_on_its_address_that_reaches_the_scheduler_unless_told():
-    from dask_gpu.worker_cli import listen_defaults
+    from dask_gpu.worker.cli import listen_defaults
 
     got = listen_defaults(["tls://127.0.0.1:8786", "--name", "gpu-a", "--no-dashboard"])
     assert got[-4:] == ["--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"], got
@@ -40,7 +40,7 @@ def _inventories(spec: str) -> dict:
 
 
 def test_a_gpu_type_no_worker_has_is_named_with_what_the_cluster_has():
-    from aisched_prefect.control.stages import feasibility
+    from aisched_prefect.control.admission.stages import feasibility
     from aisched_prefect.request import AIRequest
 
     cluster = _inventories("2 workers x 2 GPUs, 80 GB, H100; 1 worker x 1 GPU, 24 GB, A10")
@@ -60,7 +60,7 @@ def test_admission_places_a_run_only_on_workers_that_serve_its_tenant():
     """A worker started for one tenant (`--tenant`, as every worker in a Slurm job is) advertises it; admission
     names only the workers that serve the caller's tenant (and those that serve any), so no run is sent to a worker
     that would refuse it, and a tenant no worker serves is told so with the fix."""
-    from aisched_prefect.control.stages import feasibility
+    from aisched_prefect.control.admission.stages import feasibility
     from aisched_prefect.request import AIRequest
 
     cluster = _inventories("3 workers x 1 GPU, 80 GB, H100")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from aisched_prefect.control.app import _split_runs
+from aisched_prefect.control.http.app import _split_runs
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
 from aisched_prefect.flow.stream import CallStream
 from aisched_prefect.wire import CallMeta, Reply, RunIn, RunsIn

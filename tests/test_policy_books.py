@@ -12,7 +12,7 @@ import pytest
 
 from dask_gpu.inventory import GPUDevice, WorkerInventory
 from dask_gpu.policies.finish_time_fair import FinishTimeFair
-from dask_gpu.queue_plugin import GPUQueuePlugin
+from dask_gpu.scheduler.queue import GPUQueuePlugin
 
 
 class SpyPolicy(FinishTimeFair):

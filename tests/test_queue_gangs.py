@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from dask_gpu.queue_plugin import GPUQueuePlugin
-from dask_gpu.queue_policy import ClusterState, EasyBackfill, FairShare, Fifo, Job, PlainDask, Running, reservation
-from dask_gpu.simulator import simulate
+from dask_gpu.scheduler.queue import GPUQueuePlugin
+from dask_gpu.sim.policies import ClusterState, EasyBackfill, FairShare, Fifo, Job, PlainDask, Running, reservation
+from dask_gpu.sim.simulator import simulate
 
 
 def job(i, gpus, submit=0.0, duration=10.0, tenant="a"):
@@ -79,7 +79,7 @@ def test_the_queue_plugin_places_a_gang_on_whole_workers_and_frees_them_at_leave
 def test_fractions_share_an_open_device_at_once_and_only_a_fresh_device_waits_in_the_policy():
     """The plugin's device books: a fraction starts on a shared device with room (best fit) without the policy; one that
     needs a fresh device is a one-GPU run for the policy; the device counts as busy until its last fraction leaves."""
-    from dask_gpu.queue_plugin import Device
+    from dask_gpu.scheduler.queue import Device
 
     async def scenario():
         plugin = GPUQueuePlugin(FairShare(headroom=0))
@@ -110,7 +110,7 @@ def test_fractions_share_an_open_device_at_once_and_only_a_fresh_device_waits_in
 def test_fractions_that_enter_in_one_burst_share_the_device_the_first_of_them_opens():
     """Two quarter-GPU runs enter together once the open device is full: the first opens a fresh device and the
     second shares it, not a third device (test_fractions_queue saw [4, 1, 1] across three A10s once)."""
-    from dask_gpu.queue_plugin import Device
+    from dask_gpu.scheduler.queue import Device
 
     async def scenario():
         plugin = GPUQueuePlugin(FairShare(headroom=0))

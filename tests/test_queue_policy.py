@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dask_gpu.queue_policy import (
+from dask_gpu.sim.policies import (
     ClusterState,
     EasyBackfill,
     FairShare,
@@ -20,8 +20,8 @@ from dask_gpu.queue_policy import (
     max_min_shares,
     reservation,
 )
-from dask_gpu.sim_metrics import jain, percentile
-from dask_gpu.simulator import simulate
+from dask_gpu.sim.metrics import jain, percentile
+from dask_gpu.sim.simulator import simulate
 
 
 def job(i, gpus, submit=0.0, duration=10.0, tenant="a"):
@@ -187,7 +187,7 @@ def test_ours_reclaims_a_quota_from_preemptible_borrowed_runs_only():
     (its part among the tenants that run or wait now) but no host gets GPUs back from preemptible borrowed runs."""
     from dataclasses import replace
 
-    from dask_gpu.queue_policy import FinishTimeFair
+    from dask_gpu.sim.policies import FinishTimeFair
 
     def case(preemptible: bool, resume: bool = False):
         borrowed = [replace(job(i, 1, submit=0.0, duration=1000.0, tenant="a"), preemptible=preemptible) for i in range(8)]
@@ -210,7 +210,7 @@ def test_ours_serves_the_claimant_first_and_reclaims_nothing_beyond_the_quota():
     work); a claim beyond the claimant's quota stops nothing."""
     from dataclasses import replace
 
-    from dask_gpu.queue_policy import FinishTimeFair
+    from dask_gpu.sim.policies import FinishTimeFair
 
     def case(b_gpus: int):
         borrowed = [replace(job(i, 1, submit=0.0, duration=1000.0, tenant="a"), preemptible=True) for i in range(4)]
@@ -233,8 +233,8 @@ def test_the_live_queue_holds_no_gpu_idle_and_gives_borrowed_gpus_back():
 
     import time
 
-    from dask_gpu.queue_plugin import REQUEUE_SECONDS, GPUQueuePlugin
-    from dask_gpu.queue_policy import FinishTimeFair
+    from dask_gpu.scheduler.queue import REQUEUE_SECONDS, GPUQueuePlugin
+    from dask_gpu.sim.policies import FinishTimeFair
 
     stopped: list = []
 
@@ -280,7 +280,7 @@ def test_the_live_queue_holds_no_gpu_idle_and_gives_borrowed_gpus_back():
 
 def _run_to_end(policy, state, now: float, jobs: list) -> float:
     """Submit `jobs` at `now` and run everything one after another on the state's hosts; when the last one ended."""
-    from dask_gpu.queue_policy import Running
+    from dask_gpu.sim.policies import Running
 
     for job in jobs:
         policy.submit(job, state)
@@ -301,8 +301,8 @@ def test_fairness_memory_fades_with_its_half_life():
     """Tenant b waited its whole job out behind a's (rho 2); a hundred half-lives later one job of b that starts at
     once counts as b's whole history (rho 1). Without a half-life the old wait still weighs (rho ~2). The live
     queue fades weekly."""
-    from dask_gpu.queue_plugin import GPUQueuePlugin
-    from dask_gpu.queue_policy import LIVE_HALF_LIFE, ClusterState, FinishTimeFair, Job
+    from dask_gpu.scheduler.queue import GPUQueuePlugin
+    from dask_gpu.sim.policies import LIVE_HALF_LIFE, ClusterState, FinishTimeFair, Job
 
     rhos = {}
     for half_life in (3600.0, None):
@@ -323,7 +323,7 @@ def test_fairness_memory_fades_with_its_half_life():
 
 def test_faded_sums_stay_right_across_a_rebase_of_their_epoch():
     """Past 512 half-lives the stored sums are rescaled to a new epoch; the sum being added to is rescaled too."""
-    from dask_gpu.queue_policy import ClusterState, FinishTimeFair, Job
+    from dask_gpu.sim.policies import ClusterState, FinishTimeFair, Job
 
     policy, state = FinishTimeFair(half_life=10.0), ClusterState(free=[1])
     _run_to_end(policy, state, 0.0, [Job(1, "a", 1, 0.0, 1000.0), Job(2, "b", 1, 0.0, 1000.0)])
@@ -371,7 +371,7 @@ def test_ours_learns_a_runs_real_time_when_it_ends():
     # Users ask for more than they need: a run asked 1000 s, waited 50 s, ran 100 s. Its tenant's rho so far is
     # corrected from (50 + 1000) / 1000 on the estimate to (50 + 100) / 100 on what it really ran, and its private
     # pool's backlog gives back the time the run did not use.
-    from dask_gpu.queue_policy import FinishTimeFair
+    from dask_gpu.sim.policies import FinishTimeFair
 
     for learn, rho in ((True, 1.5), (False, 1.05)):
         policy = FinishTimeFair(learn=learn)
@@ -394,7 +394,7 @@ def test_ours_withdraws_a_job_that_waited_past_overdue():
     """A run whose flow went away leaves the live queue unstarted after waiting long enough to be overdue (on the
     late list): it is withdrawn like any other (it raised KeyError in the scheduler's stream handler, which closed
     the control plane's connection to the scheduler)."""
-    from dask_gpu.queue_policy import FinishTimeFair
+    from dask_gpu.sim.policies import FinishTimeFair
 
     policy = FinishTimeFair()
     state = ClusterState(free=[0], size=[1])  # the one GPU is taken: the job waits

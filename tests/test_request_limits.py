@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from aisched_prefect.control.identity import new_credential
+from aisched_prefect.control.authority.identity import new_credential
 from aisched_prefect.errors import TooManyOpenApprovals
 from aisched_prefect.settings import Settings
 
@@ -32,7 +32,7 @@ class Plane:
 def client():
     from fastapi.testclient import TestClient
 
-    from aisched_prefect.control.app import build_app
+    from aisched_prefect.control.http.app import build_app
 
     with TestClient(build_app(Plane()), raise_server_exceptions=False) as c:
         yield c
@@ -68,10 +68,10 @@ def test_other_routes_have_their_own_smaller_limit(client):
 def test_one_credential_may_keep_only_so_many_requests_open(sqlite_url, tmp_path):
     """The check admission runs before it holds anything for a new request: open requests of this credential
     count (answered, expired, or another credential's do not)."""
-    from aisched_prefect.control.approvals import ApprovalBook, approvals
-    from aisched_prefect.control.credentials import Credentials
+    from aisched_prefect.control.approvals.requests import ApprovalBook, approvals
+    from aisched_prefect.control.authority.credentials import Credentials
     from aisched_prefect.control.service import ControlPlane
-    from aisched_prefect.control.state import AuthorityState
+    from aisched_prefect.control.authority.state import AuthorityState
     from aisched_prefect.ledger import Ledger
 
     plane = ControlPlane.__new__(ControlPlane)
@@ -140,7 +140,7 @@ def test_a_client_still_sending_an_oversized_call_reads_the_413_naming_the_limit
 
     import uvicorn
 
-    from aisched_prefect.control.app import build_app
+    from aisched_prefect.control.http.app import build_app
     from aisched_prefect.errors import RequestTooLarge
     from aisched_prefect.flow.client import ControlPlaneClient
     from aisched_prefect.wire import CallMeta

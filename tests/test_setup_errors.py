@@ -153,7 +153,7 @@ def test_a_main_task_whose_module_state_cannot_travel_is_one_line(control_plane,
 def test_a_scheduler_port_in_use_is_one_line():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "dask_gpu.scheduler_cli", "--no-tls", "--port", str(port),
+        done = subprocess.run([sys.executable, "-m", "dask_gpu.scheduler.cli", "--no-tls", "--port", str(port),
                                "--dashboard-address", "127.0.0.1:0"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "Traceback" not in done.stderr

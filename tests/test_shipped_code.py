@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dask_gpu.bodycode import ShippedCode, ship, unwrap
+from dask_gpu.body.code import ShippedCode, ship, unwrap
 
 TASK = """
 from aisched_prefect import ai_task
@@ -92,7 +92,7 @@ def test_a_regular_package_ships_whole(on_path):
 
 
 def test_a_package_too_large_to_ship_says_so(on_path, monkeypatch):
-    import dask_gpu.bodycode as bodycode
+    import dask_gpu.body.code as bodycode
     from dask_gpu.errors import ShippedCodeTooLarge
 
     name = _package(on_path)
@@ -121,7 +121,7 @@ def test_a_package_inside_a_namespace_ships_the_packages_above_the_task(on_path,
 
 BODY = """
 import sys
-from dask_gpu.bodycode import load, split
+from dask_gpu.body.code import load, split
 code, _ = split(open(sys.argv[1], "rb").read())
 fn = load(code)
 try:

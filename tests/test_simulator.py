@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from bench.trace import BadTime, epoch, load, offered_load
-from dask_gpu.queue_policy import EasyBackfill, FinishTimeFair, Fifo, Job, PlainDask
-from dask_gpu.sim_metrics import finish_time_fairness, percentile, private_pool
-from dask_gpu.simulator import FAR_FRACTION, MODES, alone, simulate, user_estimate, with_estimates
+from dask_gpu.sim.policies import EasyBackfill, FinishTimeFair, Fifo, Job, PlainDask
+from dask_gpu.sim.metrics import finish_time_fairness, percentile, private_pool
+from dask_gpu.sim.simulator import FAR_FRACTION, MODES, alone, simulate, user_estimate, with_estimates
 
 
 def job(i, gpus, submit=0.0, duration=10.0, tenant="a"):
@@ -152,12 +152,12 @@ def test_the_examples_in_the_docstrings_hold():
     import dask_gpu.policies.estimates
     import dask_gpu.policies.fairness_books
     import dask_gpu.policies.placement
-    import dask_gpu.queue_policy
-    import dask_gpu.sim_metrics
-    import dask_gpu.simulator
+    import dask_gpu.sim.policies
+    import dask_gpu.sim.metrics
+    import dask_gpu.sim.simulator
 
     for module in (bench.trace, dask_gpu.policies.estimates, dask_gpu.policies.fairness_books,
-                   dask_gpu.policies.placement, dask_gpu.queue_policy, dask_gpu.sim_metrics, dask_gpu.simulator):
+                   dask_gpu.policies.placement, dask_gpu.sim.policies, dask_gpu.sim.metrics, dask_gpu.sim.simulator):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 

@@ -7,7 +7,7 @@ import pytest
 from dask_gpu.errors import InventorySpecError
 from dask_gpu.inventory import GPUDevice, WorkerInventory, discover, restrict_to_allocation
 from dask_gpu.isolation import IsolationError, IsolationSettings, TenantGate, TenantRefused, plan_for
-from dask_gpu.slurm_allocation import SlurmAllocation, allocation, gres_type, parse_indexes
+from dask_gpu.slurm.allocation import SlurmAllocation, allocation, gres_type, parse_indexes
 
 
 def nvml_like(n: int = 4, gpu_type: str = "H100") -> WorkerInventory:

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from aisched_prefect.control import capacity, stages
+from aisched_prefect.control.admission import capacity
+from aisched_prefect.control.admission import stages
 from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.request import AIRequest
 from dask_gpu.inventory import GPUDevice, WorkerInventory
-from dask_gpu.slurm_capacity import Capacity, GroupCapacity, PendingJob, capacity_on_scheduler, publish_on_scheduler
+from dask_gpu.slurm.capacity import Capacity, GroupCapacity, PendingJob, capacity_on_scheduler, publish_on_scheduler
 
 H100 = WorkerInventory(devices=(GPUDevice(index=0, uuid="u0", name="H100", gpu_type="H100", memory_gb=80),),
                        tenant="team-a")

@@ -21,7 +21,7 @@ from prefect.context import FlowRunContext
 
 from aisched_prefect import ai_task
 from blocks import BudgetBlock
-from dask_gpu.slurm_capacity import capacity_on_scheduler
+from dask_gpu.slurm.capacity import capacity_on_scheduler
 from tests.helpers import authority, tenant
 from tests.slurm_cluster import SlurmCluster, started_or_skip
 from tests.test_slurm import SUBMITTED, Scaler, job_env, start_cluster, wait_for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from dask_gpu.slurm_jobs import JobEnd, job_end, live_jobs, queue_states, slurm_end
+from dask_gpu.slurm.jobs import JobEnd, job_end, live_jobs, queue_states, slurm_end
 
 
 def fake(bin_dir, name: str, script: str) -> None:

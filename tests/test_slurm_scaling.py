@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from dask_gpu.slurm_scaler import SlurmScalerError, load_settings
-from dask_gpu.slurm_scaling import (ScalingPolicy, Waiting, WorkerGroup, WorkerJob, devices_for_fractions, jobs_needed,
+from dask_gpu.slurm.scaler import SlurmScalerError, load_settings
+from dask_gpu.slurm.scaling import (ScalingPolicy, Waiting, WorkerGroup, WorkerJob, devices_for_fractions, jobs_needed,
                                    plan)
 
 H100_A = WorkerGroup(name="h100-a", gpu_type="h100", gpus=2, tenant="team-a", max_jobs=3)

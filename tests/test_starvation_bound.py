@@ -6,8 +6,8 @@ import dask
 
 from dask_gpu.policies.config import PolicyConfig
 from dask_gpu.policies.interface import ClusterState, Job, Running
-from dask_gpu.queue_plugin import GPUQueuePlugin
-from dask_gpu.simulator import simulate
+from dask_gpu.scheduler.queue import GPUQueuePlugin
+from dask_gpu.sim.simulator import simulate
 
 HOUR = 3600.0
 BOUND = 2 * HOUR

@@ -11,8 +11,8 @@ import pytest
 from dask_gpu.policies.config import PolicyConfig
 from dask_gpu.policies.interface import ClusterState, Job
 from dask_gpu.policies.time_limits import TimeLimitError, TimeLimits
-from dask_gpu.queue_policy import EasyBackfill
-from dask_gpu.simulator import simulate
+from dask_gpu.sim.policies import EasyBackfill
+from dask_gpu.sim.simulator import simulate
 
 RULE = TimeLimits(over_time=60.0, kill_wait=30.0)
 
@@ -78,7 +78,7 @@ def test_a_run_with_no_limit_is_charged_its_overrun_at_the_premium():
 
 
 def test_the_simulator_and_the_control_planes_watch_stop_the_same_run_at_the_same_time():
-    from aisched_prefect.control.time_limit import TimeLimitWatch
+    from aisched_prefect.control.dispatch.time_limit import TimeLimitWatch
     from aisched_prefect.settings import Settings
 
     jobs = [Job(i, "ab"[i % 2], 1, 10.0 * i, 60.0, requeue=i % 3 == 0) for i in range(9)]
@@ -91,7 +91,7 @@ def test_the_simulator_and_the_control_planes_watch_stop_the_same_run_at_the_sam
     stopped: list[tuple[str, bool]] = []
     dispatcher = SimpleNamespace(lock=__import__("threading").Lock(), client=None)
     watch = TimeLimitWatch(dispatcher, settings)
-    import aisched_prefect.control.time_limit as module
+    import aisched_prefect.control.dispatch.time_limit as module
 
     module_stop = module.request_stop
     module.request_stop = lambda client, keys, soft=False: stopped.extend((k, soft) for k in keys)

@@ -16,7 +16,7 @@ from prefect.context import FlowRunContext
 
 from aisched_prefect import AISchedTaskRunner, Ledger, ai_task, report_usage
 from aisched_prefect.ledger import MICROS, BudgetLine, to_micros
-from aisched_prefect.usage_report import (
+from aisched_prefect.reports.usage import (
     UNKNOWN_FLOW, InvalidReportOption, PlotUnavailable, aggregate, budget_table, build_report, cents, csv_text,
     day_key, flow_run_key, group_table, json_lines, name_flows, parse_when, plot_spend, prefect_flow_names, usage_rows,
 )

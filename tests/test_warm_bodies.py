@@ -178,7 +178,7 @@ def test_warm_idle_is_held_and_settled_once_per_idle_period(cluster, tmp_path):
     from typer.testing import CliRunner
 
     from aisched_prefect.cli import app
-    from aisched_prefect.usage_report import usage_rows
+    from aisched_prefect.reports.usage import usage_rows
 
     rows = usage_rows(cluster.plane.ledger(), flow_run_id=str(flow_run_id))
     warm_rows = [r for r in rows if r.kind == "warm-idle"]

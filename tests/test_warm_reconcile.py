@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from aisched_prefect.control.warm_reconcile import UNKNOWN_GRACE_SECONDS, reconcile
+from aisched_prefect.control.dispatch.warm_reconcile import UNKNOWN_GRACE_SECONDS, reconcile
 
 
 @dataclass

@@ -39,8 +39,8 @@ class _Idle:
 
 
 def test_the_spare_bodies_past_their_linger_end_longest_idle_first(monkeypatch):
-    import aisched_prefect.control.warm_tail as tail
-    from aisched_prefect.control.warm_tail import excess
+    import aisched_prefect.control.dispatch.warm_tail as tail
+    from aisched_prefect.control.dispatch.warm_tail import excess
 
     monkeypatch.setattr(tail, "warm_key", lambda adm: "k")
     f1, f2, across = _Adm("f1", _Req()), _Adm("f2", _Req()), _Adm("f3", _Req(True))

@@ -220,8 +220,8 @@ def test_a_rerun_dask_does_by_itself_is_refused_and_listed_by_the_registry(tmp_p
 
     from aisched_prefect.control.service import load_or_make_key
     from dask_gpu import GPURequest
-    from dask_gpu.bodycode import code_digest
-    from dask_gpu.sandbox import Body, run_ticketed
+    from dask_gpu.body.code import code_digest
+    from dask_gpu.worker.sandbox import Body, run_ticketed
     from dask_gpu.tickets import TicketRejected, TicketSigner, digest, install_registry
 
     cluster = ClusterProcs(tmp_path / "cluster", product_scheduler=False)

@@ -1,4 +1,4 @@
-"""Nothing one tenant's body does reaches another tenant's body through the zygote (dask_gpu.zygote).
+"""Nothing one tenant's body does reaches another tenant's body through the zygote (dask_gpu.worker.zygote).
 
 Before: one zygote per worker, importing every module any body named, behind a unix socket whose path was in its
 command line: tenant A's body had it import a module A wrote, and every later fork (tenant B's too) inherited what
@@ -16,12 +16,12 @@ import cloudpickle
 import psutil
 import pytest
 
-from dask_gpu.bodycode import code_digest
+from dask_gpu.body.code import code_digest
 from dask_gpu.inventory import WorkerInventory
 from dask_gpu.isolation import IsolationPlan, IsolationSettings, can_isolate, devices, filesystem
-from dask_gpu.plugin import GPUWorkerPlugin
+from dask_gpu.worker.plugin import GPUWorkerPlugin
 from dask_gpu.framing import recv_msg, send_msg
-from dask_gpu.zygote import Zygote
+from dask_gpu.worker.zygote import Zygote
 
 
 def _bodies():

@@ -2,7 +2,7 @@
 module level behind a lock, and a callable class loads it in `__init__` (Ray Data's pattern). Each load leaves a
 line in a file on a declared shared path (the test's scratch folder), so a test counts loads and processes.
 
-Only this module's source travels to the workers (dask_gpu.bodycode): its lock and model are made there.
+Only this module's source travels to the workers (dask_gpu.body.code): its lock and model are made there.
 """
 
 from __future__ import annotations

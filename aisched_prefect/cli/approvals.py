@@ -28,7 +28,7 @@ def _write_keypair(out: str, force: bool = False) -> str:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
-    from aisched_prefect.control.keys import write_private
+    from aisched_prefect.control.authority.keys import write_private
 
     key = Ed25519PrivateKey.generate()
     try:
@@ -58,7 +58,7 @@ def approvals_list(as_json: bool = typer.Option(False, "--json"), control_plane:
         for r in rows:
             typer.echo(json.dumps(r, sort_keys=True))
         return
-    from aisched_prefect.control.approval_words import duration_in_words
+    from aisched_prefect.control.approvals.words import duration_in_words
 
     now = time.time()
     for r in rows:

@@ -157,7 +157,7 @@ def doctor(control_plane: Optional[str] = PlaneOpt, token_file: Optional[str] = 
     try:
         if not url:
             raise LookupError
-        from aisched_prefect.control.state import AuthorityState
+        from aisched_prefect.control.authority.state import AuthorityState
 
         snap = AuthorityState(common.Ledger(url)).refresh()
         applied = ", ".join(sorted(f"{k} {n} v{a.version}" for (k, n), a in snap.configs.items())) or "nothing applied"

@@ -20,7 +20,7 @@ def apply(authority: Optional[str] = typer.Option(None, "--authority", help="Aut
     An edit of a block in the Prefect UI or API does nothing until an operator applies it: a flow that
     rewrites a block through Prefect's API gains nothing.
     """
-    from aisched_prefect.control.state import CONFIG_KINDS, block_body
+    from aisched_prefect.control.authority.state import CONFIG_KINDS, block_body
 
     chosen = {"authority": authority, "budget": budget, "policy": policy, "cluster": cluster}
     if not any(chosen.values()):

@@ -48,7 +48,7 @@ def credentials_issue(principal: str = typer.Argument(..., help="Who the credent
     if out:
         from pathlib import Path
 
-        from aisched_prefect.control.keys import write_private
+        from aisched_prefect.control.authority.keys import write_private
 
         write_private(Path(out), issued["token"].encode(), force=True)
         console.print(f"credential {issued['credential']['id']} for {principal} written to {out}")

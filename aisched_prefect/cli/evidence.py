@@ -88,7 +88,7 @@ def evidence_show(flow_run: Optional[str] = typer.Option(None, help="Only this f
                   ledger: Optional[str] = LedgerOpt) -> None:
     """One row per attempt of each AI task run (request, principal, grant, worker, reserved, charged, decision),
     then the operators' records apart: credentials, applied configuration, grants."""
-    from aisched_prefect.report import MONEY_NOTE, evidence_rows, for_display, operator_rows
+    from aisched_prefect.reports.runs import MONEY_NOTE, evidence_rows, for_display, operator_rows
 
     def last(rows: list, what: str) -> list:
         if limit and len(rows) > limit:
@@ -116,8 +116,8 @@ def explain(run_id: str = typer.Argument(..., help="A flow-run or task-run id.")
     """Why that run was allowed or denied, under which grant chain, approved by whom, at what cost. A flow run of
     several runs (a map) is summed up first: per task its shards, cold and warm starts, bodies, idle time and
     charge per body; then its warm bodies and its first runs (each cold or warm, and which body)."""
-    from aisched_prefect.report import explain as explain_records
-    from aisched_prefect.run_summary import body_rows, run_rows, task_rows
+    from aisched_prefect.reports.runs import explain as explain_records
+    from aisched_prefect.reports.run_summary import body_rows, run_rows, task_rows
 
     book = common.Ledger(ledger)
     records = book.records_about(run_id)
@@ -156,7 +156,7 @@ def evidence_export(out: Optional[str] = typer.Option(None, help="File to write 
     import json
     import sys
 
-    from aisched_prefect.report import export_line
+    from aisched_prefect.reports.runs import export_line
 
     stream = open(out, "w") if out else sys.stdout
     try:

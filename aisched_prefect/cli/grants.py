@@ -123,7 +123,7 @@ def grants_map(authority: str = typer.Option(..., help="The applied authority to
 @grants_app.command("list")
 def grants_list(ledger: Optional[str] = LedgerOpt) -> None:
     """Delegated grants (from the evidence chain) and whether they are revoked."""
-    from aisched_prefect.control.state import AuthorityState
+    from aisched_prefect.control.authority.state import AuthorityState
 
     snap = AuthorityState(common.Ledger(ledger)).refresh()
     rows = [{**g.model_dump(), "authority": name, "revoked": (name, g.id) in snap.revoked}

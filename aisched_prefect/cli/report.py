@@ -20,7 +20,7 @@ def _flow_names_from_prefect(flow_run_ids: set[str]) -> dict[str, str]:
         return {}
     from prefect.client.orchestration import get_client
 
-    from aisched_prefect.usage_report import prefect_flow_names
+    from aisched_prefect.reports.usage import prefect_flow_names
 
     try:
         with get_client(sync_client=True) as client:
@@ -41,7 +41,7 @@ def report(
     ledger: Optional[str] = LedgerOpt,
 ) -> None:
     """GPU-hours, tokens and money of settled AI runs by group, against every budget; money to the cent."""
-    from aisched_prefect.usage_report import (
+    from aisched_prefect.reports.usage import (
         InvalidReportOption, PlotUnavailable, budget_table, build_report, check_by, group_table, json_lines,
         parse_when, plot_spend, write_csv,
     )
@@ -74,7 +74,7 @@ def report(
         for line in json_lines(usage):
             typer.echo(json.dumps(line, sort_keys=True))
         return
-    from aisched_prefect.idle_share import IDLE, idle_table, kind_table
+    from aisched_prefect.reports.idle_share import IDLE, idle_table, kind_table
 
     groups = kind_table(usage) if by == "kind" else group_table(usage)
     console.print(common.table(f"AI usage by {by}", groups, [by, "runs", "GPU-hours", "tokens", "money", "uncovered"]))

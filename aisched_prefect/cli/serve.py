@@ -30,7 +30,7 @@ def serve(host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     if print_key:  # what workers trust: the raw Ed25519 public key, as dask_gpu.tickets.TicketSigner reads it
         from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-        from aisched_prefect.control.keys import load_or_make_key
+        from aisched_prefect.control.authority.keys import load_or_make_key
         from aisched_prefect.settings import settings
 
         key = load_or_make_key(settings().home / "control.key")

@@ -11,7 +11,7 @@ and settled once whichever replica finishes it.
 
 A completed call's reply is kept here so that a flow re-attaching after a
 replica died or restarted gets it. A reply whose large result stays on its
-worker (dask_gpu.results) names it with a one-time token, which is a
+worker (dask_gpu.worker.results) names it with a one-time token, which is a
 capability: whoever holds it can take the result first. The book keeps the
 digest, size, URL and expiry in clear and the token only sealed (AES-256-GCM
 under a key derived from the plane's signing key, which lives in its key file,
@@ -32,7 +32,7 @@ import sqlalchemy as sa
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from aisched_prefect.control.credentials import Unauthorized
+from aisched_prefect.control.authority.credentials import Unauthorized
 from aisched_prefect.errors import AISchedError
 from aisched_prefect.ledger import Ledger
 

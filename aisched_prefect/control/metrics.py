@@ -6,7 +6,7 @@ pending and their age, evidence records, whether the Dask scheduler answers. Wha
 counted by wrapping the parts that decide it (`instrument`), not by edits in their hot paths: admissions by outcome
 and phase, denials by reason (the phase that refused: a bounded set, never the free text), decision and admission
 latency, ledger commit latency. The queue's own figures come from the Dask scheduler at scrape time
-(dask_gpu/queue_metrics.py), served on a path of their own so Prometheus sees the scheduler down as `up == 0`.
+(dask_gpu/scheduler/metrics.py), served on a path of their own so Prometheus sees the scheduler down as `up == 0`.
 
 No metric carries a task key, a task run id, an argument, a token or a principal's secret: labels are tenants,
 GPU types, budget lines, phases and states.
@@ -70,7 +70,7 @@ class QueueRegistry:
     """The queue's figures, fetched from the Dask scheduler when scraped (None without a queue)."""
 
     def __init__(self, plane: Any) -> None:
-        from dask_gpu.queue_metrics import QueueCollector
+        from dask_gpu.scheduler.metrics import QueueCollector
 
         self.plane = plane
         self.registry = CollectorRegistry(auto_describe=False)
@@ -97,7 +97,7 @@ def _timed(histogram: Histogram, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument(plane: Any, metrics: PlaneMetrics) -> None:
     """Count what happens by wrapping the plane's parts where it is decided (their own code stays as it is)."""
-    from aisched_prefect.control.admission import Admission
+    from aisched_prefect.control.admission.record import Admission
 
     run = plane.pipeline.run
 
@@ -179,7 +179,7 @@ def _budgets(plane: Any) -> Iterator[Any]:
 
 
 def _approvals(plane: Any) -> Iterator[Any]:
-    from aisched_prefect.control.approvals import approvals
+    from aisched_prefect.control.approvals.requests import approvals
 
     now = time.time()
     with plane.ledger.reader.connect() as conn:

@@ -12,7 +12,7 @@ finish and are settled as usual.
 
 Blocking callers (`POST /v1/calls`, one call per request) wait on `wait_one`.
 
-A large result never comes through here: its worker keeps it (dask_gpu.results),
+A large result never comes through here: its worker keeps it (dask_gpu.worker.results),
 the settlement records its digest and size (`result_evidence`), and the reply
 carries the reference the flow fetches it with (`direct_reply`).
 """

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from aisched_prefect.control.state import block_body
+from aisched_prefect.control.authority.state import block_body
 
 
 class ControlPlaneProcess:

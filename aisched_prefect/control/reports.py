@@ -17,8 +17,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from aisched_prefect.control.calls import CallBook
-from aisched_prefect.control.credentials import Unauthorized, who
-from aisched_prefect.control.identity import Credential
+from aisched_prefect.control.authority.credentials import Unauthorized, who
+from aisched_prefect.control.authority.identity import Credential
 from aisched_prefect.errors import AISchedError
 from aisched_prefect.ledger import Ledger
 
@@ -48,7 +48,7 @@ class Reports:
         """The day's usage artifact, on a schedule (it reads the whole day), when anything new was recorded."""
         if not os.environ.get("PREFECT_API_URL"):
             return
-        from aisched_prefect.usage_report import publish_day_artifact
+        from aisched_prefect.reports.usage import publish_day_artifact
 
         head = self._head()
         if head != self._day_reported:
@@ -105,7 +105,7 @@ class Reports:
         self._own_flow_run(caller, flow_run_id)
         if not os.environ.get("PREFECT_API_URL"):
             return {"published": [], "reason": "this control plane has no PREFECT_API_URL"}
-        from aisched_prefect.usage_report import publish_flow_run_artifact
+        from aisched_prefect.reports.usage import publish_flow_run_artifact
 
         try:
             return {"published": [publish_flow_run_artifact(self.ledger, flow_run_id)]}

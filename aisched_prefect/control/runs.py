@@ -15,15 +15,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from aisched_prefect.control import records
-from aisched_prefect.control.admission import Admission
+from aisched_prefect.control.authority import records
+from aisched_prefect.control.admission.record import Admission
 from aisched_prefect.control.calls import CallBook, CallTakenOver, call_key, callers_key
-from aisched_prefect.control.credentials import Unauthorized, who
-from aisched_prefect.control.dispatch import Dispatcher
-from aisched_prefect.control.identity import Credential
+from aisched_prefect.control.authority.credentials import Unauthorized, who
+from aisched_prefect.control.dispatch.dispatcher import Dispatcher
+from aisched_prefect.control.authority.identity import Credential
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
-from aisched_prefect.control.pipeline import Pipeline
-from aisched_prefect.control.running import BodyParts, denied
+from aisched_prefect.control.admission.pipeline import Pipeline
+from aisched_prefect.control.dispatch.running import BodyParts, denied
 from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest, LedgerUnavailable
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.ledger.engine import described, retryable
@@ -66,13 +66,13 @@ def _check_shipped(fn_bytes: bytes, said: str) -> None:
     source's is refused before anything is held (the body checks it again; pickled code only the body can check)."""
     from pydantic import ValidationError
 
-    from dask_gpu.bodycode import shipped_digest
+    from dask_gpu.body.code import shipped_digest
 
     try:
         found = shipped_digest(fn_bytes)
     except (ValidationError, ValueError) as exc:
         raise InvalidAIRequest(f"the call's shipped source is malformed ({type(exc).__name__}). Fix: send the code "
-                               "as aisched_prefect's runner does (dask_gpu.bodycode.ship)") from None
+                               "as aisched_prefect's runner does (dask_gpu.body.code.ship)") from None
     if found is not None and found != said:
         raise InvalidAIRequest(f"code_digest {said[:12]}... is not the digest of the call's shipped source "
                                f"({found[:12]}...). Fix: compute it with ShippedCode.digest() over the files sent")

@@ -39,7 +39,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
     """Start a control plane and serve it until SIGTERM/SIGINT."""
     import uvicorn
 
-    from aisched_prefect.control.app import build_app
+    from aisched_prefect.control.http.app import build_app
     from aisched_prefect.control.service import ControlPlane
     from aisched_prefect.settings import settings
 

@@ -30,23 +30,23 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from aisched_prefect.control.approval_desk import ApprovalDesk
-from aisched_prefect.control.approval_waiters import Waiters
-from aisched_prefect.control.approvals import ApprovalBook
+from aisched_prefect.control.approvals.desk import ApprovalDesk
+from aisched_prefect.control.approvals.waiters import Waiters
+from aisched_prefect.control.approvals.requests import ApprovalBook
 from aisched_prefect.control.calls import TOKEN_PURPOSE, CallBook, TokenSeal
-from aisched_prefect.control.configuration import Configuration
-from aisched_prefect.control.credentials import Credentials
-from aisched_prefect.control.dispatch import Dispatcher
-from aisched_prefect.control.grants import Grants
-from aisched_prefect.control.keys import derived_secret, load_or_make_key, write_private  # noqa: F401 - where callers look
+from aisched_prefect.control.authority.configuration import Configuration
+from aisched_prefect.control.authority.credentials import Credentials
+from aisched_prefect.control.dispatch.dispatcher import Dispatcher
+from aisched_prefect.control.authority.grants import Grants
+from aisched_prefect.control.authority.keys import derived_secret, load_or_make_key, write_private  # noqa: F401 - where callers look
 from aisched_prefect.control.outcomes import OutcomeBook
-from aisched_prefect.control.pipeline import Pipeline
+from aisched_prefect.control.admission.pipeline import Pipeline
 from aisched_prefect.control.reports import Reports
 from aisched_prefect.control.runs import Runs, abandon_waiting
-from aisched_prefect.control.scheduler_link import SchedulerLink, connect, install
-from aisched_prefect.control.settlement import emit_budget_alert
-from aisched_prefect.control.state import AuthorityState
-from aisched_prefect.control.watcher import Watcher
+from aisched_prefect.control.dispatch.scheduler_link import SchedulerLink, connect, install
+from aisched_prefect.control.dispatch.settlement import emit_budget_alert
+from aisched_prefect.control.authority.state import AuthorityState
+from aisched_prefect.control.dispatch.watcher import Watcher
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.settings import Settings
 from dask_gpu.tickets import TicketSigner

@@ -3,7 +3,7 @@
 Why: a result that travelled worker -> control plane -> flow was copied twice and
 held by the plane meanwhile (a 100 MB result took 5x prefect-dask's time). A
 result of at least `dask-gpu.results.min-bytes` stays on its worker
-(dask_gpu.results); the control plane records its digest and size in the run's
+(dask_gpu.worker.results); the control plane records its digest and size in the run's
 settlement and hands the flow a `DirectResult`: the worker's listener, a one-time
 token, the digest and the size. Here the bytes are fetched with that token and
 checked against the digest (and size) before anything unpickles them. The token

@@ -29,7 +29,7 @@ from aisched_prefect.flow.stream import ENGINE_SLOT, CallStream, LoopThread
 from aisched_prefect.flow.taskcontext import as_sync
 from aisched_prefect.wire import ApprovalView, CallMeta, Reply
 from dask_gpu import StopRequested
-from dask_gpu.bodycode import code_digest, preloads, ship
+from dask_gpu.body.code import code_digest, preloads, ship
 
 logger = logging.getLogger("aisched_prefect")
 ARTIFACT_KEY = "aisched-evidence"
@@ -39,7 +39,7 @@ def _load_block(kind: str, name: str | None) -> dict[str, Any] | None:
     """A named block's content, for the embedded control plane the flow run starts (it acts as its operator)."""
     if name is None:
         return None
-    from aisched_prefect.control.state import CONFIG_KINDS, block_body
+    from aisched_prefect.control.authority.state import CONFIG_KINDS, block_body
 
     cls = CONFIG_KINDS[kind]
     try:
@@ -65,7 +65,7 @@ def pickle_body(fn: Callable[..., Any]) -> tuple[bytes, list[str], str]:
     code's digest (what its ticket binds and its body checks).
 
     A function or class at module level of a module the worker cannot import by name (a flow file, a deployment's
-    entrypoint) travels as source (dask_gpu.bodycode.ship): imported in the body, so its module-level state is
+    entrypoint) travels as source (dask_gpu.body.code.ship): imported in the body, so its module-level state is
     created there, once per warm body, and never pickled. Anything else is pickled: by reference where the module
     is an installed package, by value where it cannot be imported (a closure, a lambda, `__main__`).
     """
@@ -310,7 +310,7 @@ class RunnerSession:
         from prefect.client.schemas.actions import ArtifactCreate
 
         from aisched_prefect.evidence import EvidenceRecord
-        from aisched_prefect.report import evidence_rows
+        from aisched_prefect.reports.runs import evidence_rows
 
         try:
             with get_client(sync_client=True) as prefect:

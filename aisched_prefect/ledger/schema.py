@@ -113,7 +113,7 @@ flow_versions = sa.Table(
     sa.Column("first_admitted_at", sa.Float, nullable=False),
 )
 
-# A warm body's life as the control plane keeps it (control/warm_rows.py): started cold by a run, idle with its hold,
+# A warm body's life as the control plane keeps it (control/dispatch/warm_rows.py): started cold by a run, idle with its hold,
 # taken by the next run of its key, ended and why. Any replica, or a plane started again, reads the idle ones here.
 warm_bodies = sa.Table(
     "aisched_warm_bodies", metadata,

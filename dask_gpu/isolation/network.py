@@ -4,7 +4,7 @@ Why: abstract unix sockets and loopback listeners belong to a network namespace,
 namespace. Bodies that shared the host's namespace could list (/proc/net/unix, /proc/net/tcp) and connect to
 another tenant's abstract socket, its local model server or its rendezvous port (MASTER_PORT). So each body of an
 isolated worker gets a namespace of its own (`CLONE_NEWNET`, made by the body's own process before it forks the
-body: dask_gpu.child.run_isolated), with its loopback up; `dask-gpu.isolation.network` says what else it gets:
+body: dask_gpu.body.child.run_isolated), with its loopback up; `dask-gpu.isolation.network` says what else it gets:
 
 - `pasta` (the default): outbound TCP, UDP and ICMP through pasta (Debian's `passt` package, the namespace mode of
   passt: what rootless Podman uses), which the worker attaches to the body's namespace before the body reads a byte

@@ -14,5 +14,5 @@
 - `config`: `PolicyConfig`, the one configuration the live plugin and the simulator build it from.
 
 The simulator's baselines (`PlainDask`, `SjfEasy`, `Las2D`, `MaxMinFair`) live beside the simulator
-(`dask_gpu.sim_baselines`); `dask_gpu.queue_policy` names them all in one place.
+(`dask_gpu.sim.baselines`); `dask_gpu.sim.policies` names them all in one place.
 """

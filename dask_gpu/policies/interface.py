@@ -1,8 +1,8 @@
 """What a scheduling policy is given and answers, and the interface every policy implements.
 
 No clock, no I/O, no Prefect, no Dask: the same objects are driven by the
-discrete-event simulator (`dask_gpu.simulator`, `bench/simulate.py`) and by
-the scheduler plugin of the live queue (`dask_gpu.queue_plugin`). A host is a
+discrete-event simulator (`dask_gpu.sim.simulator`, `bench/simulate.py`) and by
+the scheduler plugin of the live queue (`dask_gpu.scheduler.queue`). A host is a
 Dask worker; a job needs `gpus` devices on one host, among the hosts it
 allows (GPU type and memory rule some out). A job wider than every host it
 allows is a *gang*: it runs on whole hosts, all of them at once or not at all

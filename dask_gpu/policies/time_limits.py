@@ -1,7 +1,7 @@
 """A declared time is a limit, as Slurm's `--time` is: when a run past it is asked to stop, and when it is ended.
 
-One pure rule that the live control plane (`aisched_prefect.control.time_limit`) and the simulator
-(`dask_gpu.simulator`) both follow, so a replay stops the same run at the same time as the live queue:
+One pure rule that the live control plane (`aisched_prefect.control.dispatch.time_limit`) and the simulator
+(`dask_gpu.sim.simulator`) both follow, so a replay stops the same run at the same time as the live queue:
 
 - a run that declared a limit (`est_seconds`, the default) and is still running `over_time` seconds past it
   (Slurm's `OverTimeLimit`) is asked to stop: `checkpoint()` raises `StopRequested`, `run_subprocess` sends

@@ -23,8 +23,8 @@ from distributed import Client
 
 from aisched_prefect import TicketRejected
 from dask_gpu import GPURequest
-from dask_gpu.bodycode import code_digest
-from dask_gpu.sandbox import Body, Outcome, run_ticketed
+from dask_gpu.body.code import code_digest
+from dask_gpu.worker.sandbox import Body, Outcome, run_ticketed
 from dask_gpu.security import ClusterTLS
 from dask_gpu.tickets import TicketSigner, digest
 from tests.attacks.support import run_flow, tenant

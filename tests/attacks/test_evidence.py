@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from aisched_prefect import Ledger
 from aisched_prefect.cli import app
-from aisched_prefect.control.identity import new_credential
+from aisched_prefect.control.authority.identity import new_credential
 from aisched_prefect.evidence import GENESIS, canonical, chain_hash
 from aisched_prefect.ledger import chain_head, checkpoints, evidence
 from blocks import ApprovalPolicyBlock, ApprovalRule
@@ -109,7 +109,7 @@ class TestARevocationRecordDeleted:
         assert result.exit_code == 1 and "evidence chain broken" in result.stdout
 
     def test_a_replica_starting_on_that_database_does_not_reauthorize(self, plane, revoked, tmp_path):
-        from aisched_prefect.control.state import AuthorityState
+        from aisched_prefect.control.authority.state import AuthorityState
 
         t, grant, ledger = revoked
         state = AuthorityState(Ledger(ledger.url))  # what every replica and restart folds first
@@ -190,7 +190,7 @@ def test_a_rewritten_chain_fails_against_the_published_checkpoint(plane, publish
 
 
 def test_an_approval_set_in_the_database_executes_nothing(plane):
-    from aisched_prefect.control.approvals import approvals
+    from aisched_prefect.control.approvals.requests import approvals
 
     policy = ApprovalPolicyBlock(rules=[ApprovalRule(name="inference-needs-a-person", kinds=["inference"])],
                                  timeout_seconds=30)

@@ -78,7 +78,7 @@ def test_a_flow_cannot_file_its_runs_under_another_tenants_flow_run(control_plan
     import cloudpickle
 
     from aisched_prefect import request_of
-    from dask_gpu.bodycode import code_digest
+    from dask_gpu.body.code import code_digest
 
     a = tenant(control_plane)
     assert (ran := run_flow(a.runner(), lambda: outcome(infer, 1)))[0] == 1

@@ -11,7 +11,7 @@ import pytest
 from prefect import flow
 
 from aisched_prefect import NoAdmissionContext
-from aisched_prefect.control.state import block_body
+from aisched_prefect.control.authority.state import block_body
 from tests.attacks.support import (
     authority,
     flow_credential,

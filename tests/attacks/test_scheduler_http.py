@@ -149,8 +149,8 @@ def test_the_dashboard_is_refused_beyond_loopback_and_jupyter_always(tmp_path, a
 def test_the_dask_key_of_an_admitted_run_names_neither_its_task_nor_its_task_run(sqlite_url):
     """Dispatcher._register makes the key every Dask message, worker log and the scheduler's state carry; the
     control plane keeps key -> run in its own table (`running`), and the ticket registry finds its runs by prefix."""
-    from aisched_prefect.control.admission import Admission
-    from aisched_prefect.control.dispatch import Dispatcher
+    from aisched_prefect.control.admission.record import Admission
+    from aisched_prefect.control.dispatch.dispatcher import Dispatcher
     from aisched_prefect.request import AIRequest
     from dask_gpu.tickets import KEY_PREFIX
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from blocks import ApprovalPolicyBlock, ApprovalRule
-from dask_gpu.bodycode import code_digest
+from dask_gpu.body.code import code_digest
 from tests.attacks.support import PRINCIPAL, authority, budget, infer, kinds, outcome, root, run_flow, tenant, uid
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -22,7 +22,7 @@ def test_a_flow_or_approver_credential_cannot_do_an_operators_acts(control_plane
     approver = control_plane.approver("alice", t.authority)
     me = control_plane.ok("GET", "/v1/whoami", token=t.token)
     widened = authority(root(max_gpus=64, max_cost_per_run=1e9))
-    from aisched_prefect.control.state import block_body
+    from aisched_prefect.control.authority.state import block_body
 
     for token in (t.token, approver):
         acts = [

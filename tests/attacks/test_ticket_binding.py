@@ -13,7 +13,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dask_gpu import GPURequest
-from dask_gpu.sandbox import _redeem_here
+from dask_gpu.worker.life import _redeem_here
 from dask_gpu.tickets import TicketRejected, TicketSigner, verify_signature
 
 

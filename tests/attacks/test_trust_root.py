@@ -81,7 +81,7 @@ def test_a_control_plane_the_flow_starts_itself_cannot_reach_the_cluster(gpu_clu
 def test_tickets_signed_by_a_key_of_the_flows_own_are_refused_by_every_worker(dask_client):
     """Even handed to a worker by a client the cluster trusts, a ticket from the flow's own control plane's key is
     refused: workers trust only the keys they were started with."""
-    from dask_gpu.sandbox import Body, run_ticketed
+    from dask_gpu.worker.sandbox import Body, run_ticketed
     from dask_gpu.tickets import TicketRejected, TicketSigner, digest
 
     stranger = TicketSigner.generate()

@@ -21,9 +21,9 @@ import psutil
 import pytest
 
 from dask_gpu import GPURequest
-from dask_gpu.bodycode import code_digest
+from dask_gpu.body.code import code_digest
 from dask_gpu.isolation import TenantRefused
-from dask_gpu.sandbox import Body, run_ticketed
+from dask_gpu.worker.sandbox import Body, run_ticketed
 from dask_gpu.tickets import TicketSigner, digest
 from tests.attacks.support import wait_for
 from tests.clusterprocs import BIN, ClusterProcs
@@ -74,7 +74,7 @@ def _submit(client, signer: TicketSigner, tenant: str):
 
 def test_a_restarted_unisolated_worker_still_serves_only_the_tenant_it_was_started_for(tmp_path):
     from aisched_prefect.control.service import load_or_make_key
-    from dask_gpu.cluster import worker_addresses
+    from dask_gpu.client.cluster import worker_addresses
 
     cluster = ClusterProcs(tmp_path, env=_env(tmp_path))
     try:

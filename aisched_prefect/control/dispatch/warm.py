@@ -1,0 +1,315 @@
+"""The control plane's books of warm bodies: whose idle time each one's device share is, held and settled once.
+
+A body that stays warm after a run (dask_gpu.worker.bodies) keeps its device share while it waits for the next run of its
+key: that time is its principal's, charged as its own kind (`warm-idle`) on the budget lines of the run that left
+it warm. As the run is settled, a hold for the body's whole keep-warm time (its share of the GPU, at the GPU type it
+ran on) is taken on those lines; a hold that does not fit ends the body (no idle time is run on credit). The idle
+period ends when the next run of its key starts in it (the run's outcome says how long it waited), when its worker
+ends it (the `aisched-warm-body` event says so) or when its worker dies (the ticket registry's `aisched-worker-died`
+event, sent for every worker that leaves); either way the hold is settled once with the idle seconds, at most the
+keep-warm time, and through a ledger outage with the retries a run's settlement uses (control.outlast).
+
+Each idle period is a row (control.warm_rows) written before it is kept here: a plane killed and started again, or
+another replica, loads the idle bodies from the rows, ends those whose authority ended and settles their idle time;
+reconciling with what the workers report (control.warm_reconcile) settles the ones that ended unheard. The hold's
+lease runs a little past the keep-warm time, so a body nobody accounts for expires charged at most that. A body
+whose last run's authority ended (a revoked or expired credential or grant, a withdrawn delegation, a budget cut
+below what it holds) is ended within a watcher poll.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aisched_prefect.control.admission import stages
+from aisched_prefect.control.admission.record import Admission
+from aisched_prefect.control.dispatch.outlast import outlasting
+from aisched_prefect.control.dispatch.warm_rows import BodyRows, IdleRow
+from aisched_prefect.ledger import Hold, Ledger
+from blocks import MAX_AMOUNT, Usage
+
+logger = logging.getLogger("aisched_prefect.control")
+LEASE_MARGIN_SECONDS = 60.0  # a warm-idle hold's lease runs this far past the keep-warm time
+
+
+def warm_key(admission: Admission) -> str:
+    """What a warm body serves: one tenant's one principal's one code, with one request (devices, share, type),
+    decided under one authority: the applied authority block (name and version) and the grant chain (ids). The same
+    principal name under another authority block, or through another grant, gets a body of its own."""
+    text = "\0".join((admission.tenant, admission.principal, admission.code_digest, admission.request.digest,
+                      admission.versions.get("authority", ""), "/".join(admission.chain)))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _ids(adm: Admission, body: str, runs: int) -> dict[str, Any]:
+    """An idle period's records and holds: the run's flow run and principal, a task run id of its own (a report
+    shows it as its own row, not inside the run that left the body warm)."""
+    return {**adm.ids, "task_run_id": f"warm-{body}-{runs}"}
+
+
+def _as_run(adm: Admission, gpu_type: str | None, worker: str) -> dict[str, Any]:
+    """What a usage report reads of an idle period, as of a run: kind `warm-idle`, the share it held, where."""
+    return {"request": {"kind": "warm-idle", "gpus": adm.request.gpus, "model": adm.request.model},
+            "placement": {"gpu_type": gpu_type, "worker": worker}}
+
+
+@dataclass
+class WarmIdle:
+    """One idle period of one body: the hold that covers it and what it is charged to."""
+
+    body: str
+    runs: int  # the body's run count when it went idle (names this idle period)
+    admission: Admission  # the run that left it warm: its principal, lines and authority
+    holds: list[Hold]
+    keep: float
+    gpu_type: str | None
+    worker: str
+    since: float  # the plane's clock (time.time()): rows carry it across a restart
+    stored: bool = True  # its row was written (False: the ledger failed just then; it lives here only)
+
+    def idle_at(self, at: float | None = None) -> float:
+        return min(max((time.time() if at is None else at) - self.since, 0.0), self.keep)
+
+
+def _period(row: IdleRow) -> WarmIdle:
+    return WarmIdle(row.body, row.runs, row.admission, row.holds, row.keep, row.gpu_type, row.worker, row.idle_since)
+
+
+class WarmBooks:
+    """Idle periods of warm bodies, from the outcome that starts one to the report that ends it; kept as rows, and
+    here for the watcher's polls."""
+
+    def __init__(self, ledger: Ledger, bound: Callable[[Admission], stages.Bound],
+                 end_bodies: Callable[[list[str], str], None], patience: float = 60.0) -> None:
+        self.ledger, self._bound, self._end_bodies, self.patience = ledger, bound, end_bodies, patience
+        self.rows = BodyRows(ledger)
+        self._idle: dict[tuple[str, int], WarmIdle] = {}
+        self._early: dict[tuple[str, int], tuple[float, str]] = {}  # ends reported before their period was booked
+        self._ending: set[str] = set()  # bodies asked to end: asked once
+        self._gone: dict[tuple[str, int], None] = {}  # periods ended here lately: a row read before is stale
+        self._lock = threading.Lock()
+
+    def load(self) -> int:
+        """The idle bodies the rows know (booked by another replica, or by this plane before it was killed) join
+        these books; periods another replica settled leave them. How many are idle now."""
+        read_at = time.time()
+        rows = {(r.body, r.runs): r for r in self.rows.load_idle()}
+        with self._lock:
+            for key, row in rows.items():
+                if key not in self._gone:
+                    self._idle.setdefault(key, _period(row))
+            # A period booked while the rows were read is not in them, and is not gone for that.
+            for key in [k for k, p in self._idle.items() if p.stored and k not in rows and p.since < read_at]:
+                del self._idle[key]
+            return len(self._idle)
+
+    def _lines(self, adm: Admission, gpu_type: str | None, seconds: float) -> tuple[list[Any], dict[str, float]]:
+        """The budget lines and charges of `seconds` of the run's GPU share at `gpu_type` (no tokens: idle)."""
+        bound = self._bound(adm)
+        money = bound.budget.model.actual_cost(adm.request.gpus, seconds, gpu_type or adm.priced_type)
+        used = Usage(money=money, gpu_hours=adm.request.gpus * seconds / 3600)
+        facts = adm.facts.model_copy(update={"gpu_types": (gpu_type,)}) if gpu_type else adm.facts
+        lines = stages.lines(bound, facts, used, adm.shares, self.ledger.now())
+        return lines, {line.budget: min(line.amount, MAX_AMOUNT) for line in lines}
+
+    def started(self, adm: Admission, body: dict[str, Any], gpu_type: str | None, worker: str) -> None:
+        """A run's outcome: it began an idle period (`kept`), and a warm start ended the one before it."""
+        if body.get("start") == "warm":
+            self.ended(body["id"], int(body["runs"]) - 1, float(body.get("idle_before") or 0.0), "a run of its key",
+                       taken=True)
+        if not body.get("kept"):
+            if body.get("start") == "warm":  # its row said idle, then running: now it ended with its run
+                self._row(body["id"], lambda: self.rows.ended_cold(body["id"], adm, worker, warm_key(adm),
+                                                                   "it ended with its run", time.time()))
+            return
+        key, keep = (body["id"], int(body["runs"])), float(body.get("keep") or 0.0)
+        from aisched_prefect.errors import InvalidLedgerInput, LedgerUnavailable
+        from aisched_prefect.ledger import BudgetExceeded
+
+        payload = {"task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body["id"],
+                   "keep_seconds": keep, "worker": worker, "admission": adm.id, **_as_run(adm, gpu_type, worker)}
+        try:
+            lines, _ = self._lines(adm, gpu_type, keep)
+            holds, _ = self.ledger.reserve(lines, kind="warm-hold", payload=payload,
+                                           lease_seconds=keep + LEASE_MARGIN_SECONDS, **_ids(adm, *key))
+        except (BudgetExceeded, InvalidLedgerInput) as exc:
+            self.ledger.record("warm-refused", {**payload, "reason": str(exc)}, **_ids(adm, *key))
+            why = f"its idle time is not covered: {exc}"
+            self._row(body["id"], lambda: self.rows.ended_cold(body["id"], adm, worker, warm_key(adm), why, time.time()))
+            self._end_bodies([body["id"]], f"its idle time is not covered: {exc}")
+            return
+        except LedgerUnavailable as exc:  # the run itself is settled: only its body's idle time goes unheld, so it ends
+            logger.warning("warm body %s ends: its idle time could not be held (%s)", body["id"], exc)
+            self._end_bodies([body["id"]], f"its idle time could not be held: {exc}")
+            return
+        since = time.time()
+        stored = self._row(body["id"], lambda: self.rows.idle(body["id"], key[1], adm, holds, keep, gpu_type, worker,
+                                                              warm_key(adm), since, since))
+        period = WarmIdle(body["id"], key[1], adm, holds, keep, gpu_type, worker, since, stored)
+        with self._lock:
+            if key not in self._gone:  # else it ended (its row read) between the row's write and now: settled once
+                self._idle[key] = period
+            early = self._early.pop(key, None)
+        if early is not None:
+            self.ended(body["id"], key[1], *early)
+
+    def _row(self, body: str, write: Callable[[], Any]) -> bool:
+        """Write a body's row, through a ledger outage as a settlement is; whether it was written (else logged: the
+        books here still hold the period, and its hold's lease bounds what it can cost)."""
+        try:
+            outlasting(write, patience=self.patience, what=f"warm body {body} changed")
+            return True
+        except Exception:
+            logger.exception("could not write the row of warm body %s", body)
+            return False
+
+    def ended(self, body: str, runs: int, idle: float, why: str, worker: str | None = None,
+              taken: bool = False) -> None:
+        """An idle period ended after `idle` seconds: settle its hold once (an end that came first waits for it).
+        `worker`: the worker that says so; only the body's own worker's word ends its period. `taken`: a run of its
+        key took the body (it lives on)."""
+        with self._lock:
+            found = self._idle.get((body, runs))
+            if found is not None and worker is not None and found.worker != worker:
+                return
+            period = self._idle.pop((body, runs), None)
+            self._ending.discard(body)
+            if period is not None:
+                self._gone_now((body, runs))
+        if period is None:  # booked by another replica, or by this plane's earlier life: its row says
+            try:
+                rows = outlasting(lambda: self.rows.load_idle(body, runs), patience=self.patience,
+                                  what=f"the idle time of warm body {body} ended")
+            except Exception:
+                logger.exception("could not read the row of warm body %s; its hold expires", body)
+                return
+            period = _period(rows[0]) if rows else None
+            if period is None or (worker is not None and period.worker != worker):
+                if period is None:  # its outcome is still being booked (control.warm.started settles it then)
+                    with self._lock:
+                        if len(self._early) < 100_000:
+                            self._early[(body, runs)] = (idle, why)
+                return
+            with self._lock:  # settled from its row: the books here (booked meanwhile) do not hold it again
+                self._idle.pop((body, runs), None)
+                self._gone_now((body, runs))
+        seconds = min(max(idle, 0.0), period.keep)
+        adm = period.admission
+        try:
+            _, charges = self._lines(adm, period.gpu_type, seconds)
+            outlasting(lambda: self.ledger.settle([h.id for h in period.holds], charges, kind="warm-idle", payload={
+                "task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body,
+                "outcome": "warm-idle", "seconds": seconds, "ended": why, "worker": period.worker,
+                "admission": adm.id, "charges": charges, **_as_run(adm, period.gpu_type, period.worker)},
+                **_ids(adm, body, runs)), patience=self.patience, what=f"the idle time of warm body {body} ended")
+        except Exception:  # its hold expires (charged at most the keep-warm time): never lost, never twice
+            logger.exception("could not settle the idle time of warm body %s", body)
+            return
+        at = period.since + seconds  # when it ended, as far as the books can tell (not when this was heard)
+        self._row(body, lambda: self.rows.left_idle(body, runs, taken=taken, why=why, at=at))
+
+    def _gone_now(self, key: tuple[str, int]) -> None:
+        """A period is being settled (the lock held): a row read before, or a booking that finishes after, is stale."""
+        self._gone[key] = None
+        if len(self._gone) > 10_000:
+            del self._gone[next(iter(self._gone))]
+
+    def on_event(self, event: tuple[float, dict[str, Any]]) -> None:
+        """The worker's `aisched-warm-body` event: a body ended while it waited (runs in the Dask client's loop)."""
+        msg = event[1]
+        if not isinstance(msg, dict) or "body" not in msg:
+            return
+        threading.Thread(target=self.ended, args=(str(msg["body"]), int(msg.get("runs") or 0),
+                                                  float(msg.get("idle") or 0.0), str(msg.get("reason") or ""),
+                                                  str(msg.get("worker") or "")),
+                         name="aisched-warm-settle", daemon=True).start()
+
+    def worker_died(self, worker: str, at: float | None = None) -> list[str]:
+        """A worker left (at `at`, the plane's clock; now if None): its bodies are gone; their idle time counts up to
+        then, whatever ran on it and whichever replica or earlier life booked them. Their ids."""
+        try:
+            self.load()
+        except Exception:  # the ledger is out: the periods booked here still settle
+            logger.warning("could not read the warm bodies' rows; settling those of worker %s known here", worker)
+        with self._lock:
+            gone = [p for p in self._idle.values() if p.worker == worker]
+        for p in gone:
+            self.ended(p.body, p.runs, p.idle_at(at) if at is not None else p.idle_at(), f"its worker {worker} left")
+        return [p.body for p in gone]
+
+    def periods(self) -> list[WarmIdle]:
+        with self._lock:
+            return list(self._idle.values())
+
+    def callers_gone(self, whos: set[str]) -> list[str]:
+        """No flow process of these callers (`authority:principal`) polls any more: nothing of theirs waits, so their
+        idle warm bodies end now rather than at the end of their keep-warm time; their ids."""
+        with self._lock:
+            victims = [p.body for p in self._idle.values() if p.body not in self._ending
+                       and f"{p.admission.authority}:{p.admission.principal}" in whos]
+            self._ending.update(victims)
+        if victims:
+            self._end_bodies(victims, "nothing of its principal waits any more")
+        return victims
+
+    def end_broken(self, why_broken: Callable[[Admission], str | None],
+                   uncovered: Callable[[list[WarmIdle]], dict[str, str]] | None = None) -> list[str]:
+        """End the warm bodies whose last run's authority no longer stands, or (`uncovered`: body -> why) whose
+        budget no longer covers what they hold; their ids. An ended body's idle time is settled as its worker
+        reports the end."""
+        with self._lock:
+            periods = [p for p in self._idle.values() if p.body not in self._ending]
+        memo: dict[str, str | None] = {}
+        victims = {p.body: why for p in periods
+                   if (why := memo[p.admission.id] if p.admission.id in memo else
+                       memo.setdefault(p.admission.id, why_broken(p.admission))) is not None}
+        if uncovered is not None and periods:
+            victims.update({b: w for b, w in uncovered(periods).items() if b not in victims})
+        for why in sorted(set(victims.values())):
+            bodies = [b for b, w in victims.items() if w == why]
+            with self._lock:
+                self._ending.update(bodies)
+            self._end_bodies(bodies, f"its authority ended: {why}")
+        if victims:
+            logger.warning("authority withdrawn: ending %d idle warm bod%s", len(victims),
+                           "y" if len(victims) == 1 else "ies")
+        return list(victims)
+
+    def close(self) -> None:
+        """The plane stops: its warm bodies end (nobody would account for their idle time) and each idle period is
+        settled with the time it had, rather than left to expire charged in full."""
+        with self._lock:
+            periods = list(self._idle.values())
+        if not periods:
+            return
+        try:
+            self._end_bodies([p.body for p in periods], "the control plane stopped")
+        except Exception:  # the cluster is gone already: the bodies end with their workers
+            logger.warning("could not reach the workers to end %d warm bodies", len(periods))
+        for p in periods:
+            self.ended(p.body, p.runs, p.idle_at(), "the control plane stopped")
+
+    def idle_periods(self) -> list[WarmIdle]:
+        """The idle periods now (a copy), for what decides when a body ends (control.warm_tail)."""
+        with self._lock:
+            return [p for p in self._idle.values() if p.body not in self._ending]
+
+    def end_idle(self, bodies: list[str], why: str) -> list[str]:
+        """Ask the workers to end these bodies, each once, if still idle (a run that took one keeps it)."""
+        with self._lock:
+            idle = {p.body for p in self._idle.values()}
+            asked = [b for b in bodies if b in idle and b not in self._ending]
+            self._ending.update(asked)
+        if asked:
+            self._end_bodies(asked, why)
+        return asked
+
+    def idle_count(self) -> int:
+        with self._lock:
+            return len(self._idle)

@@ -1,0 +1,108 @@
+"""A warm body's life as rows in the ledger's database (`aisched_warm_bodies`), as a run's is.
+
+Why rows: a warm body outlives its run, holds a device share and money, and acts under its run's authority; a plane
+that kept it only in memory forgot it when it was killed and started again (its revocations reached nothing, its
+idle holds expired charged in full) and a replica never knew it. One row per body: started cold by a run, idle with
+the hold of its idle period (`runs` names the period), taken by the next run of its key, ended and why. A row only
+moves forward (idle -> running -> idle ... -> ended, each move conditional on the state it leaves), so two replicas
+that both see an end move it once; the money is settled once by the ledger (settling a hold twice changes nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from aisched_prefect.control.admission.record import Admission
+from aisched_prefect.ledger import Hold, Ledger
+from aisched_prefect.ledger.schema import warm_bodies as table
+
+
+@dataclass(frozen=True)
+class IdleRow:
+    """An idle body as its row says: enough to settle, renew or end it from any replica."""
+
+    body: str
+    runs: int
+    admission: Admission
+    holds: list[Hold]
+    keep: float
+    gpu_type: str | None
+    worker: str
+    idle_since: float  # the plane's clock (time.time())
+
+
+def _upsert(conn: Any, values: dict[str, Any], later_only: bool = False) -> None:
+    """Write a body's one row. `later_only`: never over a later idle period's (two runs of one body settle on two
+    threads, and the earlier period's row written last would hide the later one from a restarted plane's books)."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    stmt = insert(table).values(values)
+    conn.execute(stmt.on_conflict_do_update(index_elements=[table.c.body],
+                                            set_={k: stmt.excluded[k] for k in values if k not in ("body", "started_at")},
+                                            where=(table.c.runs <= stmt.excluded.runs) if later_only else None))
+
+
+class BodyRows:
+    """Reads and moves the rows; every write is one statement in the ledger's group commit."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def idle(self, body: str, runs: int, adm: Admission, holds: list[Hold], keep: float, gpu_type: str | None,
+             worker: str, key: str, since: float, started_at: float) -> None:
+        """The body waits for the next run of its key: its idle period `runs` and its hold (a cold body's row is
+        made here: the plane hears of a body with its first run's outcome)."""
+        values = {"body": body, "key": key, "tenant": adm.tenant, "principal": adm.principal, "worker": worker,
+                  "state": "idle", "runs": runs, "admission": adm.model_dump(mode="json"),
+                  "holds": [h.model_dump(mode="json") for h in holds], "keep_seconds": keep, "gpu_type": gpu_type,
+                  "started_at": started_at, "idle_since": since, "ended_at": None, "ended_why": None,
+                  "updated_at": time.time()}
+        self.ledger.write(lambda conn: _upsert(conn, values, later_only=True))
+
+    def ended_cold(self, body: str, adm: Admission, worker: str, key: str, why: str, started_at: float) -> None:
+        """A body that ended with its run, or was never held idle (its idle time not covered)."""
+        now = time.time()
+        values = {"body": body, "key": key, "tenant": adm.tenant, "principal": adm.principal, "worker": worker,
+                  "state": "ended", "runs": 0, "admission": None, "holds": None, "keep_seconds": 0.0,
+                  "gpu_type": None, "started_at": started_at, "idle_since": None, "ended_at": now, "ended_why": why,
+                  "updated_at": now}
+        self.ledger.write(lambda conn: _upsert(conn, values))
+
+    def left_idle(self, body: str, runs: int, *, taken: bool, why: str, at: float | None = None) -> bool:
+        """Its idle period `runs` ended: taken by a run of its key (`taken`), or the body ended (`why`). Whether this
+        call moved the row (False: another replica did, or the row never said idle)."""
+        at = time.time() if at is None else at
+        values: dict[str, Any] = ({"state": "running", "taken_at": at, "updated_at": time.time()} if taken else
+                                  {"state": "ended", "ended_at": at, "ended_why": why[:2000], "updated_at": time.time()})
+
+        def op(conn: Any) -> bool:
+            done = conn.execute(table.update().where((table.c.body == body) & (table.c.runs == runs)
+                                                     & (table.c.state == "idle")).values(values))
+            return bool(done.rowcount)
+
+        return bool(self.ledger.write(op))
+
+    def load_idle(self, body: str | None = None, runs: int | None = None) -> list[IdleRow]:
+        """The idle bodies (or the one idle period `body`, `runs`), whoever booked them."""
+        query = sa.select(table).where(table.c.state == "idle")
+        if body is not None:
+            query = query.where(table.c.body == body)
+        if runs is not None:
+            query = query.where(table.c.runs == runs)
+        with self.ledger.reader.connect() as conn:
+            rows = conn.execute(query).all()
+        return [IdleRow(r.body, int(r.runs), Admission.model_validate(r.admission),
+                        [Hold.model_validate(h) for h in r.holds or []], float(r.keep_seconds), r.gpu_type, r.worker,
+                        float(r.idle_since or 0.0)) for r in rows if r.admission]
+
+    def row(self, body: str) -> dict[str, Any] | None:
+        """One body's row as it is (reports, tests)."""
+        with self.ledger.reader.connect() as conn:
+            r = conn.execute(sa.select(table).where(table.c.body == body)).first()
+        return None if r is None else dict(r._mapping)
