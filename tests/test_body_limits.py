@@ -78,7 +78,7 @@ def test_a_fork_bomb_ends_at_its_pid_limit_and_leaves_nothing_running(cluster, t
 
     state, after = bomb()
     assert state.is_failed()
-    from dask_gpu.limit_names import LimitReached
+    from dask_gpu.body.limit_names import LimitReached
 
     # fork() refused (EAGAIN at the cgroup's pids.max), told by the limit's name with the kernel's error and the fix
     with pytest.raises(LimitReached, match=r"process limit, PIDs.*BlockingIOError.*Fix: .*--body-pids"):

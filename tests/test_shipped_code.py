@@ -73,7 +73,7 @@ def test_a_changed_lazily_imported_helper_is_new_code(on_path, layout):
     assert _shipped(module).digest() == before.digest()  # the same bytes, the same code
     helper.write_text("def factor():\n    return 3\n")  # edited after the flow imported the task: nothing reloads
     after = _shipped(module)
-    # The digest is the call's code_digest: what the body checks, what the warm key hashes (control.warm.warm_key)
+    # The digest is the call's code_digest: what the body checks, what the warm key hashes (control.dispatch.warm.warm_key)
     # and, through the shipped bytes, what `new_flow_version` keys on.
     assert after.digest() != before.digest()
     assert after.encode() != before.encode()
@@ -200,7 +200,7 @@ def test_new_flow_version_asks_again_when_a_lazily_imported_helper_changed(contr
 
     (on_path / name / "helper.py").write_text("def factor():\n    return 100\n")  # only the lazy helper changed
     changed = _call(t, task, flow, 3)
-    assert changed.meta.code_digest != first.meta.code_digest  # so its warm key differs too (control.warm.warm_key)
+    assert changed.meta.code_digest != first.meta.code_digest  # so its warm key differs too (control.dispatch.warm.warm_key)
     asked, _ = changed.send()
     assert asked.status == "approval-pending" and asked.approval.rule == "new-code"
     for c in (first, again, changed):

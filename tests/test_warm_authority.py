@@ -26,7 +26,7 @@ from tests.helpers import authority, budget, tenant, wait_until
 from tests.warm_model import score
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-# Idle for minutes unless something ends it (not the map's tail: control.warm_tail ends those when its flow run
+# Idle for minutes unless something ends it (not the map's tail: control.dispatch.warm_tail ends those when its flow run
 # has nothing of the key left).
 LONG = score.with_options(keep_warm=600, keep_warm_across_flow_runs=True)
 

@@ -64,8 +64,8 @@ def test_an_earlier_idle_periods_row_written_last_does_not_hide_the_later_one(le
     hold waits out the keep-warm time)."""
     import uuid
 
-    from aisched_prefect.control.admission import Admission
-    from aisched_prefect.control.warm_rows import BodyRows
+    from aisched_prefect.control.admission.record import Admission
+    from aisched_prefect.control.dispatch.warm_rows import BodyRows
     from aisched_prefect.ledger import Ledger
     from blocks import RunFacts
     from aisched_prefect.request import AIRequest

@@ -17,7 +17,7 @@ from tests.clusterprocs import single_host
 from tests.helpers import tenant, wait_until
 from tests.warm_model import score
 
-WHY = "nothing of its key waits in its flow run"  # control.warm_tail.WHY: why such a body's idle period ended
+WHY = "nothing of its key waits in its flow run"  # control.dispatch.warm_tail.WHY: why such a body's idle period ended
 
 
 @dataclass

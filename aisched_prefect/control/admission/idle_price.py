@@ -8,7 +8,7 @@ asked) left a 0.667 idle hold. Now:
   estimate and the idle time it may leave fit the smallest `max_cost_per_run` of its grant chain. The run itself
   must still fit (as before); the idle time, an optional speed-up, is what gives way: a run that fits its cap is
   never refused for idle time it may not use (most of it is not: a map's bodies end once nothing of their key waits,
-  control.warm_tail).
+  control.dispatch.warm_tail).
 - **The price the approval rules read (`min_cost`) and a person sees is the run plus that idle time.**
 
 The idle hold taken when the run ends (control.warm) is for the capped time at the GPU type it ran on, at most the

@@ -75,7 +75,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
 
     def _waiting_by_key(self) -> dict[tuple[str, str], tuple[int, int]]:
         """Runs by (warm key, flow run): (not placed yet, placed and not ended): what an idle body of that key may
-        still serve, and whether its flow run's work of that key goes on (control.warm_tail)."""
+        still serve, and whether its flow run's work of that key goes on (control.dispatch.warm_tail)."""
         out: dict[tuple[str, str], tuple[int, int]] = {}
         with self.lock:
             states = list(self.running.values())

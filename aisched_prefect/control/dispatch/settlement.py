@@ -140,7 +140,7 @@ class Settlement:
         if out.body is not None and not members:  # a warm body's idle time: booked, and the one before settled
             self.warm.started(adm, out.body.model_dump(), run.gpu_type, run.worker)
             if out.body.kept and not adm.request.keep_warm_across_flow_runs:
-                self.warm_tail.after()  # it ends once nothing of its key waits in its flow run (control.warm_tail)
+                self.warm_tail.after()  # it ends once nothing of its key waits in its flow run (control.dispatch.warm_tail)
         if stopped == "preempted":
             logger.warning("AI task %s was preempted after %.1fs to give tenant %r its quota back; charged for that "
                            "and queued again", adm.task_name, run.seconds, state.preempted_for)

@@ -9,7 +9,7 @@ ends it (the `aisched-warm-body` event says so) or when its worker dies (the tic
 event, sent for every worker that leaves); either way the hold is settled once with the idle seconds, at most the
 keep-warm time, and through a ledger outage with the retries a run's settlement uses (control.outlast).
 
-Each idle period is a row (control.warm_rows) written before it is kept here: a plane killed and started again, or
+Each idle period is a row (control.dispatch.warm_rows) written before it is kept here: a plane killed and started again, or
 another replica, loads the idle bodies from the rows, ends those whose authority ended and settles their idle time;
 reconciling with what the workers report (control.warm_reconcile) settles the ones that ended unheard. The hold's
 lease runs a little past the keep-warm time, so a body nobody accounts for expires charged at most that. A body
@@ -191,7 +191,7 @@ class WarmBooks:
                 return
             period = _period(rows[0]) if rows else None
             if period is None or (worker is not None and period.worker != worker):
-                if period is None:  # its outcome is still being booked (control.warm.started settles it then)
+                if period is None:  # its outcome is still being booked (control.dispatch.warm.started settles it then)
                     with self._lock:
                         if len(self._early) < 100_000:
                             self._early[(body, runs)] = (idle, why)
@@ -296,7 +296,7 @@ class WarmBooks:
             self.ended(p.body, p.runs, p.idle_at(), "the control plane stopped")
 
     def idle_periods(self) -> list[WarmIdle]:
-        """The idle periods now (a copy), for what decides when a body ends (control.warm_tail)."""
+        """The idle periods now (a copy), for what decides when a body ends (control.dispatch.warm_tail)."""
         with self._lock:
             return [p for p in self._idle.values() if p.body not in self._ending]
 
