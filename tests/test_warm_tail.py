@@ -139,7 +139,10 @@ def test_a_task_that_asked_to_stay_warm_across_flow_runs_waits_for_the_next(clus
     first = set(batch())
     assert len(cluster.warm_bodies()) == len(first)  # still warm after its flow run
     second = set(batch())
-    assert second <= first and len(log.read_text().split("\n")[:-1]) == len(first)  # no new load
+    # The next flow run's shards start in the bodies that waited: a fresh body only for a shard beyond them (four
+    # shards at once, and the first run may have served its four with three bodies), and no body loads twice.
+    assert second & first and len(second - first) <= 4 - len(first), (first, second)
+    assert len(log.read_text().split("\n")[:-1]) == len(first | second)  # one load per body, none again
     with cluster.client() as client:
         ids = [b["id"] for b in cluster.warm_bodies()]
         client.sync(client.scheduler.broadcast, msg={"op": "gpu_end_warm", "bodies": ids})

@@ -8,8 +8,9 @@ asked `keep_warm_across_flow_runs=True`, a body of flow run F and key K whose id
 ones idle longest end; the queue hands a waiting run to the most recently idle body). The linger covers a flow's
 next call in a loop (sent as soon as the last result is back) and calls of a map still on their way.
 
-Swept after each run's outcome (one sweep `linger` later, when the body it left may be past its linger) and by
-the watcher's poll; the books (control.warm) settle each ended period with the seconds it idled.
+Swept after each run's outcome (one sweep `linger` later, when the body it left may be past its linger), and again
+a linger later while bodies it kept remain; the books (control.dispatch.warm) settle each ended period with the
+seconds it idled. The idle start is the books' wall clock (their rows carry it across a restart), so is `now`.
 """
 
 from __future__ import annotations
