@@ -1,8 +1,9 @@
 """Prefect API calls per task run: a map of N trivial tasks under ThreadPoolTaskRunner, then the same map of a
 trivial AI task under AISchedTaskRunner (embedded control plane, declared GPUs), in one process against one
 Prefect test server. Every HTTP request this process makes is counted by method and path (httpx's `send`
-wrapped); the calls to the control plane are listed apart. Prefect's events travel on its websocket and are
-not counted here.
+wrapped); the calls to the control plane are listed apart. Prefect's events (task-run states travel as events on
+its websocket) are counted by name where the flow process sends them (`EventsWorker._handle`), and the log lines
+sent to Prefect's API where they are queued (`emit_api_log`): a server's work per task run is what it is sent.
 
     .venv/bin/python bench/prefect_calls.py --tasks 200
 """
@@ -45,10 +46,30 @@ def _counted_sync(self, request, *args, **kwargs):  # type: ignore[no-untyped-de
 httpx.AsyncClient.send, httpx.Client.send = _counted_async, _counted_sync  # type: ignore[method-assign]
 
 
+def _count_events_and_logs() -> None:
+    """Count every event the flow process sends to Prefect's server, by name, and every log line it sends."""
+    import prefect.logging.handlers as handlers
+    from prefect.events.worker import EventsWorker
+
+    handle, emit_log = EventsWorker._handle, handlers.emit_api_log
+
+    async def counted_event(self, event):  # type: ignore[no-untyped-def]
+        COUNTS[f"event {event.event}"] += 1
+        return await handle(self, event)
+
+    def counted_log(log):  # type: ignore[no-untyped-def]
+        COUNTS["log line"] += 1
+        return emit_log(log)
+
+    EventsWorker._handle = counted_event  # type: ignore[method-assign]
+    handlers.emit_api_log = counted_log
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", type=int, default=200)
     n = parser.parse_args().tasks
+    _count_events_and_logs()
     from prefect import flow, task
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.task_runners import ThreadPoolTaskRunner
@@ -89,11 +110,13 @@ def main() -> None:
             wall = timed(runner, fn)
             rows.append((name, wall, dict(COUNTS)))
     for name, wall, counts in rows:
-        plane = {k: v for k, v in counts.items() if k.split()[1].startswith("/v1/")}
-        prefect = {k: v for k, v in counts.items() if k not in plane}
+        sent = {k: v for k, v in counts.items() if k.startswith(("event ", "log line"))}
+        plane = {k: v for k, v in counts.items() if k not in sent and k.split()[1].startswith("/v1/")}
+        prefect = {k: v for k, v in counts.items() if k not in plane and k not in sent}
         print(f"{name}: {n} task runs in {wall:.1f} s; Prefect API calls {sum(prefect.values())} "
-              f"({sum(prefect.values()) / n:.2f} a task run); control plane calls {sum(plane.values())}")
-        for k, v in sorted(prefect.items(), key=lambda kv: -kv[1]):
+              f"({sum(prefect.values()) / n:.2f} a task run); events and log lines sent to Prefect "
+              f"{sum(sent.values())} ({sum(sent.values()) / n:.2f} a task run); control plane calls {sum(plane.values())}")
+        for k, v in sorted({**prefect, **sent}.items(), key=lambda kv: -kv[1]):
             print(f"    {v:6d}  {k}")
         for k, v in sorted(plane.items(), key=lambda kv: -kv[1]):
             print(f"    {v:6d}  (control plane) {k}")

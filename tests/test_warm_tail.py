@@ -58,6 +58,52 @@ def test_the_spare_bodies_past_their_linger_end_longest_idle_first(monkeypatch):
     assert sorted(busy) == ["a", "d"]
 
 
+def test_a_maps_shards_not_sent_yet_count_as_waiting_until_all_arrive_or_the_map_goes_quiet():
+    """A flow sends a map's shards as Prefect's engines start them: a queue that ran dry mid-map must not end the map's
+    bodies (a 1,000-shard map loaded its model 30 to 36 times on 16 places before this)."""
+    from aisched_prefect.control.dispatch.warm_tail import Arrivals
+
+    now = [0.0]
+    arrivals = Arrivals(quiet_seconds=60.0, clock=lambda: now[0])
+    arrivals.arrived("m1", 0, 4, None, "f1")  # refused at admission: counts as arrived, names no key
+    assert arrivals.to_come() == {}  # no shard admitted yet: no body of its key to keep
+    arrivals.arrived("m1", 1, 4, "k", "f1")
+    arrivals.arrived("m1", 1, 4, "k", "f1")  # sent again after a cut: counted once
+    arrivals.arrived("m2", 0, None, "k", "f1")  # a map whose size the flow did not know: nothing to wait for
+    assert arrivals.to_come() == {("k", "f1"): 2}
+    now[0] = 59.0
+    arrivals.arrived("m3", 0, 3, "k", "f2")
+    assert arrivals.to_come() == {("k", "f1"): 2, ("k", "f2"): 2}
+    now[0] = 61.0  # m1's flow sent nothing for a minute: it is not waited for any more
+    assert arrivals.to_come() == {("k", "f2"): 2}
+    arrivals.arrived("m3", 1, 3, "k", "f2")
+    arrivals.arrived("m3", 2, 3, "k", "f2")
+    assert arrivals.to_come() == {}
+
+
+def test_one_thread_sweeps_however_many_runs_ask():
+    """Each run that leaves a body idle asks for a sweep a linger later: one sweeper thread serves them all, at the
+    earliest time asked (a timer thread each had a 1,000-shard map's plane at 1,000 threads)."""
+    import threading
+
+    from aisched_prefect.control.dispatch.warm_tail import WarmTail
+
+    swept = threading.Event()
+
+    class Books:
+        def idle_periods(self):
+            swept.set()
+            return []
+
+    tail = WarmTail(Books(), lambda: {}, lambda: 30.0)  # type: ignore[arg-type]
+    before = threading.active_count()
+    for _ in range(200):
+        tail.after()
+    assert threading.active_count() <= before + 1
+    tail.after(0.0)  # an earlier sweep asked later is not held behind the 30 s ones
+    assert swept.wait(10), "the sweep asked for now did not run"
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, prefect_api):
     with single_host(tmp_path_factory.mktemp("warm-tail"), env={"AISCHED_MAX_KEEP_WARM_SECONDS": "3600"}) as procs:

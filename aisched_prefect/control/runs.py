@@ -24,6 +24,7 @@ from aisched_prefect.control.authority.identity import Credential
 from aisched_prefect.control.outcomes import OutcomeBook, result_digest
 from aisched_prefect.control.admission.pipeline import Pipeline
 from aisched_prefect.control.dispatch.running import BodyParts, denied
+from aisched_prefect.control.dispatch.warm import warm_key
 from aisched_prefect.errors import AdmissionDenied, AISchedError, InvalidAIRequest, LedgerUnavailable
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.ledger.engine import described, retryable
@@ -230,6 +231,7 @@ class Runs:
                     raise _Early(Reply(status="approval-pending", admission=got.id, approval=got))
                 admission = got
         except (_Early, AdmissionDenied) as ended:  # the call ends at admission: denied, or waiting for a person
+            self._arrived(meta, None)
             reply = ended.reply if isinstance(ended, _Early) else denied(ended.stage, ended.reason, ended.fix)
             try:
                 self.calls.done(key, reply.model_dump(mode="json"))
@@ -254,9 +256,17 @@ class Runs:
         launched = self.dispatcher.launch(
             admission, BodyParts(fn_bytes, args_bytes, tuple(meta.modules)), self.pipeline,
             lambda reply, out: self._finished(key, reply, out, cred.id, size), call_key=key)
+        self._arrived(meta, admission)
         # A run only a group of the scaler at 0 jobs holds: its flow's log says what it waits for.
         return Reply(status="accepted", key=key, admission=admission.id,
                      reason=self.dispatcher.capacity_note(launched) if launched else ""), b""
+
+    def _arrived(self, meta: CallMeta, admission: Admission | None) -> None:
+        """A shard of a map reached the plane: its map's bodies wait for the shards still to come
+        (control.dispatch.warm_tail.Arrivals)."""
+        if meta.array is not None:
+            self.dispatcher.arrivals.arrived(meta.array.id, meta.array.index, meta.array.size,
+                                             warm_key(admission) if admission is not None else None, meta.flow_run_id)
 
     def _check_in_flight(self, cred: Credential, size: int) -> None:
         """Per-credential bounds on runs and body bytes in flight: a flow cannot make the plane hold unbounded work."""

@@ -34,7 +34,7 @@ from aisched_prefect.control.authority.state import AuthorityState
 from aisched_prefect.control.dispatch.time_limit import TimeLimitRequeue
 from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.control.dispatch.warm import WarmBooks, warm_key
-from aisched_prefect.control.dispatch.warm_tail import WarmTail
+from aisched_prefect.control.dispatch.warm_tail import Arrivals, WarmTail
 from aisched_prefect.ledger import Ledger
 from aisched_prefect.settings import Settings
 from aisched_prefect.wire import Reply
@@ -68,15 +68,17 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         self.warm.load()  # the idle bodies booked before this plane started (its earlier life, another replica)
         client.subscribe_topic(WARM_TOPIC, self.warm.on_event)  # a worker ended a warm body: settle its idle time
         self.warm_tail = WarmTail(self.warm, self._waiting_by_key, lambda: self.settings.warm_linger_seconds)
+        self.arrivals = Arrivals()  # a map's shards its flow has not sent yet: its bodies still have work
         # Runs waiting in the cluster's queue: answered on the client's stream (no thread, no connection each).
         self._entered: dict[str, tuple[Running, Callable[[Placement | None], None]]] = {}
         self._calls: set[str] = set()  # call keys this replica follows, queued or running
         client._stream_handlers[PLACED_STREAM_OP] = self._on_placed
 
     def _waiting_by_key(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """Runs by (warm key, flow run): (not placed yet, placed and not ended): what an idle body of that key may
-        still serve, and whether its flow run's work of that key goes on (control.dispatch.warm_tail)."""
-        out: dict[tuple[str, str], tuple[int, int]] = {}
+        """Runs by (warm key, flow run): (not placed yet or not sent yet by its map's flow, placed and not ended):
+        what an idle body of that key may still serve, and whether its flow run's work of that key goes on
+        (control.dispatch.warm_tail)."""
+        out: dict[tuple[str, str], tuple[int, int]] = {k: (n, 0) for k, n in self.arrivals.to_come().items()}
         with self.lock:
             states = list(self.running.values())
         for r in states:

@@ -8,9 +8,14 @@ asked `keep_warm_across_flow_runs=True`, a body of flow run F and key K whose id
 ones idle longest end; the queue hands a waiting run to the most recently idle body). The linger covers a flow's
 next call in a loop (sent as soon as the last result is back) and calls of a map still on their way.
 
-Swept after each run's outcome (one sweep `linger` later, when the body it left may be past its linger), and again
-a linger later while bodies it kept remain; the books (control.dispatch.warm) settle each ended period with the
-seconds it idled. The idle start is the books' wall clock (their rows carry it across a restart), so is `now`.
+A map's shards its flow has not sent yet count as waiting (`Arrivals`): a flow sends a `.map()`'s shards as
+Prefect's task engines start them, so a queue faster than the flow runs dry mid-map, and ending its bodies then
+loads the model again for the rest (a 1,000-shard map loaded it 30 to 36 times on 16 quarter-GPU places).
+
+Swept by one thread (`after` asks for a sweep `linger` from now, when the body a run just left may be past its
+linger), and again a linger later while bodies it kept remain; the books (control.dispatch.warm) settle each ended
+period with the seconds it idled. The idle start is the books' wall clock (their rows carry it across a restart),
+so is `now`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from aisched_prefect.control.dispatch.warm import WarmBooks, WarmIdle, warm_key
 
 logger = logging.getLogger("aisched_prefect.control")
 WHY = "nothing of its key waits in its flow run"
+MAP_QUIET_SECONDS = 60.0  # a map none of whose shards arrived for this long is not waited for (its flow went away)
 BUSY_FACTOR = 3  # the linger while runs of the key still run in the flow run (measured: a 200-shard map's flow
 # sent a next shard more than 2 s after a result came back, on a loaded host, and 3 bodies were started again)
 
@@ -49,20 +55,57 @@ def excess(periods: list[WarmIdle], waiting: Callable[[str, str], int], linger: 
     return out
 
 
+class Arrivals:
+    """The shards of each `.map()` its flow has not sent yet, by (warm key, flow run): work an idle body of that key
+    still has (the module's docstring). The size is the flow's word; it only keeps that flow's own bodies warm, at
+    its principal's charge and within their keep-warm time."""
+
+    def __init__(self, quiet_seconds: float = MAP_QUIET_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.quiet, self.clock = quiet_seconds, clock
+        self._maps: dict[str, tuple[set[int], int, list[tuple[str, str]], list[float]]] = {}
+        self._lock = threading.Lock()
+
+    def arrived(self, array: str, index: int, size: int | None, key: str | None, flow_run: str) -> None:
+        """Shard `index` of map `array` reached the plane (admitted, refused or waiting for a person); `key`: its
+        warm key where it was admitted."""
+        if size is None:
+            return
+        with self._lock:
+            seen, _, where, last = self._maps.setdefault(array, (set(), size, [], [0.0]))
+            seen.add(index)
+            last[0] = self.clock()
+            if key is not None and not where:
+                where.append((key, flow_run))
+            if len(seen) >= size:
+                del self._maps[array]
+
+    def to_come(self) -> dict[tuple[str, str], int]:
+        """Shards not sent yet, by (warm key, flow run), of the maps a shard of which arrived lately."""
+        out: dict[tuple[str, str], int] = defaultdict(int)
+        now = self.clock()
+        with self._lock:
+            for array, (seen, size, where, last) in list(self._maps.items()):
+                if now - last[0] > self.quiet:
+                    del self._maps[array]
+                elif where:
+                    out[where[0]] += size - len(seen)
+        return dict(out)
+
+
 class WarmTail:
     """Ends the warm bodies nothing of their key waits for in their flow run (see the module's docstring)."""
 
     def __init__(self, books: WarmBooks, waiting: Callable[[], dict[tuple[str, str], tuple[int, int]]],
                  linger: Callable[[], float]) -> None:
         self.books, self._waiting, self._linger = books, waiting, linger
-        self._armed = False  # a sweep is due for bodies left idle while something of their key waited
         self._lock = threading.Lock()
+        self._due: float | None = None  # when the sweeper thread sweeps next (monotonic), None: not asked
+        self._wake = threading.Condition(self._lock)
+        self._sweeper: threading.Thread | None = None
 
     def sweep(self) -> list[str]:
         """End the bodies that have nothing to wait for now; their ids. Bodies kept because a run of their key
         still waited are looked at again a linger later."""
-        with self._lock:
-            self._armed = False
         try:
             counts = self._waiting()
             periods = self.books.idle_periods()  # `since` on the plane's wall clock (rows carry it across restarts)
@@ -73,14 +116,25 @@ class WarmTail:
             logger.exception("could not end warm bodies nothing waits for")
             return []
         if any(not p.admission.request.keep_warm_across_flow_runs and p.body not in ended for p in periods):
-            with self._lock:
-                again, self._armed = not self._armed, True
-            if again:
-                self.after()
+            self.after()  # bodies kept because something of their key waited: looked at again a linger later
         return out
 
     def after(self, seconds: float | None = None) -> None:
-        """Sweep once the body a run just left may be past its linger."""
-        timer = threading.Timer((self._linger() if seconds is None else seconds) + 0.05, self.sweep)
-        timer.daemon = True
-        timer.start()
+        """Sweep once the body a run just left may be past its linger: one thread sweeps at the earliest time asked
+        (a timer thread per run had a 1,000-shard map's plane at 1,000 threads)."""
+        due = time.monotonic() + (self._linger() if seconds is None else seconds) + 0.05
+        with self._wake:
+            if self._due is None or due < self._due:
+                self._due = due
+                self._wake.notify()
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(target=self._sweep_when_due, name="aisched-warm-tail", daemon=True)
+                self._sweeper.start()
+
+    def _sweep_when_due(self) -> None:
+        while True:
+            with self._wake:
+                while self._due is None or self._due > time.monotonic():
+                    self._wake.wait(None if self._due is None else self._due - time.monotonic())
+                self._due = None
+            self.sweep()
