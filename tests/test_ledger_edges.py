@@ -120,3 +120,18 @@ def test_a_hold_that_expires_after_a_cut_posts_only_what_the_limit_has_left(ledg
         assert {h["uncovered"] for r in expired for h in r.payload["holds"]} == {4.0}
     finally:
         ledger.close()
+
+
+def test_a_capped_charge_leaves_the_carries_where_the_evidence_says():
+    """A hold that expires after a cut posts what the limit has left and writes off the rest in whole micro-units (its
+    record says so). The capped charge once re-centred the accounts' carries by a fraction (here 0.35 of a micro-unit),
+    so the books' posted drifted more than a micro-unit from the charges in the evidence (found by the ledger's model
+    test: team posted 171 against 172.1 charged)."""
+    from aisched_prefect.ledger.amounts import FEMTOS, post_amount
+
+    carries = [-FEMTOS // 10, -6 * FEMTOS // 10]  # team -0.1, its flow -0.6 (the flow's sibling carries +0.5)
+    posted, covered = post_amount(105 * FEMTOS, carries, cap=100)  # an expiry of 105 held, 100 left under the limit
+    assert (posted, covered) == (100, 100 * FEMTOS)
+    # A fractional charge capped: the carries stay within a micro-unit, each moved by the same amount.
+    posted, covered = post_amount(int(104.4 * FEMTOS), carries, cap=100)
+    assert posted == 100 and all(-FEMTOS < c + posted * FEMTOS - covered < FEMTOS for c in carries)

@@ -96,5 +96,11 @@ def post_amount(charge: int, carries: Sequence[int], cap: int) -> tuple[int, int
     posted = max(posted, 0)
     if posted <= cap:
         return posted, charge
-    # Capped: the posted micro-units stand for the charge that leaves the carries centred (a lone account's at 0).
+    # Capped: the posted micro-units stand for themselves where that keeps every carry within a micro-unit (as an
+    # expiry's evidence says: a hold charged in whole micro-units, the rest written off in whole micro-units);
+    # else for the charge that leaves the carries centred (a lone account's at 0). Centring always had carries
+    # moved by a fraction at an expiry whose record says none was charged, so the books drifted from the evidence.
+    exact = min(charge, cap * FEMTOS)
+    if all(-FEMTOS < c + cap * FEMTOS - exact < FEMTOS for c in carries):
+        return cap, exact
     return cap, max(0, min(charge, cap * FEMTOS + (min(carries) + max(carries)) // 2))
