@@ -71,6 +71,8 @@ class Arrivals:
         if size is None:
             return
         with self._lock:
+            if array not in self._maps:  # a new map: forget the quiet ones (their flows went away mid-map)
+                self._drop_quiet(self.clock())
             seen, _, where, last = self._maps.setdefault(array, (set(), size, [], [0.0]))
             seen.add(index)
             last[0] = self.clock()
@@ -82,14 +84,16 @@ class Arrivals:
     def to_come(self) -> dict[tuple[str, str], int]:
         """Shards not sent yet, by (warm key, flow run), of the maps a shard of which arrived lately."""
         out: dict[tuple[str, str], int] = defaultdict(int)
-        now = self.clock()
         with self._lock:
-            for array, (seen, size, where, last) in list(self._maps.items()):
-                if now - last[0] > self.quiet:
-                    del self._maps[array]
-                elif where:
+            self._drop_quiet(self.clock())
+            for seen, size, where, _ in self._maps.values():
+                if where:
                     out[where[0]] += size - len(seen)
         return dict(out)
+
+    def _drop_quiet(self, now: float) -> None:
+        for array in [a for a, (_, _, _, last) in self._maps.items() if now - last[0] > self.quiet]:
+            del self._maps[array]
 
 
 class WarmTail:
