@@ -134,7 +134,7 @@ class Peaks:
                 continue
             role = ("flow" if p.pid == me.pid else "plane" if plane is not None and p.pid == plane.pid
                     else "scheduler" if "scheduler" in cmd else "zygotes" if "zygote" in cmd
-                    else "prefect server" if "prefect" in cmd and "server" in cmd else "workers")
+                    else "prefect server" if is_prefect_server(cmd) else "workers")
             self.cpu[p.pid] = (role, used - start.get(p.pid, 0.0))
 
     def cpu_by_role(self) -> dict[str, float]:
@@ -152,6 +152,11 @@ class Peaks:
         self._thread.join()
 
 
+def is_prefect_server(cmd: str) -> bool:
+    """Whether a process (its command line) is the Prefect server's (`prefect server start`, its uvicorn app)."""
+    return "prefect" in cmd and "server" in cmd and "aisched_prefect" not in cmd
+
+
 def quiet_prefect_server(most_seconds: float = 120.0) -> float:
     """Wait until the Prefect server this bench started has written the last run's events (its processes use under
     a tenth of a core over a second), so the next runner's window is not charged the last one's backlog (measured:
@@ -162,7 +167,7 @@ def quiet_prefect_server(most_seconds: float = 120.0) -> float:
             cmd = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        if "prefect" in cmd and "server" in cmd and "aisched_prefect" not in cmd:
+        if is_prefect_server(cmd):
             procs.append(child)
     start = time.perf_counter()
     while procs and time.perf_counter() - start < most_seconds:

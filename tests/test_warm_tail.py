@@ -76,9 +76,11 @@ def test_a_maps_shards_not_sent_yet_count_as_waiting_until_all_arrive_or_the_map
     assert arrivals.to_come() == {("k", "f1"): 2, ("k", "f2"): 2}
     now[0] = 61.0  # m1's flow sent nothing for a minute: it is not waited for any more
     assert arrivals.to_come() == {("k", "f2"): 2}
+    arrivals.arrived("m3", 1, 3, "k2", "f9")  # another flow run's call naming the same map id: not its shard
+    assert arrivals.to_come() == {("k", "f2"): 2, ("k2", "f9"): 2}
     arrivals.arrived("m3", 1, 3, "k", "f2")
     arrivals.arrived("m3", 2, 3, "k", "f2")
-    assert arrivals.to_come() == {}
+    assert arrivals.to_come() == {("k2", "f9"): 2}
 
 
 def test_one_thread_sweeps_however_many_runs_ask():

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from aisched_prefect.control.dispatch.warm import WarmBooks, WarmIdle, warm_key
 
@@ -55,14 +56,25 @@ def excess(periods: list[WarmIdle], waiting: Callable[[str, str], int], linger: 
     return out
 
 
+@dataclass
+class _Map:
+    """What has arrived of one map: the shard indexes, its size, the warm key and flow run of its admitted shards."""
+
+    size: int
+    last: float
+    seen: set[int] = field(default_factory=set)
+    where: tuple[str, str] | None = None
+
+
 class Arrivals:
     """The shards of each `.map()` its flow has not sent yet, by (warm key, flow run): work an idle body of that key
     still has (the module's docstring). The size is the flow's word; it only keeps that flow's own bodies warm, at
-    its principal's charge and within their keep-warm time."""
+    its principal's charge and within their keep-warm time. A map is known by its flow run (the caller's own, the
+    call book checked) and its id, so no other flow's calls count as its shards."""
 
     def __init__(self, quiet_seconds: float = MAP_QUIET_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
         self.quiet, self.clock = quiet_seconds, clock
-        self._maps: dict[str, tuple[set[int], int, list[tuple[str, str]], list[float]]] = {}
+        self._maps: dict[tuple[str, str], _Map] = {}
         self._lock = threading.Lock()
 
     def arrived(self, array: str, index: int, size: int | None, key: str | None, flow_run: str) -> None:
@@ -70,30 +82,32 @@ class Arrivals:
         warm key where it was admitted."""
         if size is None:
             return
+        now = self.clock()
         with self._lock:
-            if array not in self._maps:  # a new map: forget the quiet ones (their flows went away mid-map)
-                self._drop_quiet(self.clock())
-            seen, _, where, last = self._maps.setdefault(array, (set(), size, [], [0.0]))
-            seen.add(index)
-            last[0] = self.clock()
-            if key is not None and not where:
-                where.append((key, flow_run))
-            if len(seen) >= size:
-                del self._maps[array]
+            m = self._maps.get((flow_run, array))
+            if m is None:  # a new map: forget the quiet ones (their flows went away mid-map)
+                self._drop_quiet(now)
+                m = self._maps[(flow_run, array)] = _Map(size, now)
+            m.seen.add(index)
+            m.last = now
+            if key is not None and m.where is None:
+                m.where = (key, flow_run)
+            if len(m.seen) >= m.size:
+                del self._maps[(flow_run, array)]
 
     def to_come(self) -> dict[tuple[str, str], int]:
         """Shards not sent yet, by (warm key, flow run), of the maps a shard of which arrived lately."""
         out: dict[tuple[str, str], int] = defaultdict(int)
         with self._lock:
             self._drop_quiet(self.clock())
-            for seen, size, where, _ in self._maps.values():
-                if where:
-                    out[where[0]] += size - len(seen)
+            for m in self._maps.values():
+                if m.where is not None:
+                    out[m.where] += m.size - len(m.seen)
         return dict(out)
 
     def _drop_quiet(self, now: float) -> None:
-        for array in [a for a, (_, _, _, last) in self._maps.items() if now - last[0] > self.quiet]:
-            del self._maps[array]
+        for name in [n for n, m in self._maps.items() if now - m.last > self.quiet]:
+            del self._maps[name]
 
 
 class WarmTail:
@@ -102,9 +116,8 @@ class WarmTail:
     def __init__(self, books: WarmBooks, waiting: Callable[[], dict[tuple[str, str], tuple[int, int]]],
                  linger: Callable[[], float]) -> None:
         self.books, self._waiting, self._linger = books, waiting, linger
-        self._lock = threading.Lock()
         self._due: float | None = None  # when the sweeper thread sweeps next (monotonic), None: not asked
-        self._wake = threading.Condition(self._lock)
+        self._wake = threading.Condition()
         self._sweeper: threading.Thread | None = None
 
     def sweep(self) -> list[str]:
