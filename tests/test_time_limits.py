@@ -52,13 +52,28 @@ def test_baselines_and_ours_get_the_same_limits():
 
 
 def test_a_run_with_a_limit_is_planned_no_longer_than_it_may_hold_its_gpus():
-    policy = PolicyConfig(over_time=60.0, kill_wait=30.0).build()
+    policy = PolicyConfig(over_time=60.0, kill_wait=30.0, no_limit_plan=3600.0).build()
     state = ClusterState(free=[8])
     policy.estimates.learn("a", 100.0, 1000.0)  # tenant a once ran 10x what it declared
     policy.submit(Job(1, "a", 1, 0.0, 600.0), state)
     policy.submit(Job(2, "a", 1, 0.0, 600.0, no_limit=True), state)
+    policy.submit(Job(3, "b", 1, 0.0, 600.0, no_limit=True), state)  # b has no history
+    policy.submit(Job(4, "b", 1, 0.0, 7200.0, no_limit=True), state)
     assert policy.estimates.plan_of(1)["planned"] == 690.0  # its limit + grace + kill wait, not 6000
     assert policy.estimates.plan_of(2)["planned"] == 6000.0  # no limit: the tenant's worst observed factor
+    # no limit and no history: planned on the cluster's default run time, as Slurm plans a job without --time
+    assert policy.estimates.plan_of(3)["planned"] == 3600.0
+    assert policy.estimates.plan_of(4)["planned"] == 7200.0  # never below what it declared
+
+
+def test_declaring_no_limit_never_goes_ahead_of_the_same_run_declared_honestly():
+    """A new tenant declaring a quarter with no limit waits behind one declaring its true time with a limit."""
+    policy = PolicyConfig().build()
+    busy = ClusterState(free=[0])
+    policy.submit(Job(1, "liar", 1, 0.0, 900.0, no_limit=True), busy)  # runs 3600 s, says 900 and no limit
+    policy.submit(Job(2, "honest", 1, 0.0, 3600.0), busy)
+    (start, *_) = policy.schedule(10.0, ClusterState(free=[1]))
+    assert start.job.id == 2
 
 
 def test_a_run_with_no_limit_is_charged_its_overrun_at_the_premium():
@@ -124,4 +139,5 @@ def test_learn_down_plans_a_tenant_that_over_declares_on_what_its_runs_take_only
         policy.submit(Job(1, "a", 1, 0.0, 600.0), ClusterState(free=[8]))
         policy.submit(Job(2, "a", 1, 0.0, 600.0, no_limit=True), ClusterState(free=[8]))
         assert policy.estimates.plan_of(1)["planned"] == planned
-        assert policy.estimates.plan_of(2)["planned"] == 600.0  # no limit: never planned below what it declared
+        # no limit: never planned below what it declared, nor below the default run time (6 h)
+        assert policy.estimates.plan_of(2)["planned"] == 21600.0

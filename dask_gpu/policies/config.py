@@ -49,6 +49,8 @@ class PolicyConfig(BaseModel):
                              "(Slurm's KillWait); the same as AISCHED_TIME_LIMIT_KILL_WAIT_SECONDS")
     no_limit_premium: float = Field(2.0, ge=1, description="a run declared with no time limit: its overrun counts this "
                                     "many times in its tenant's rho (so no limit never beats an honest one)")
+    no_limit_plan: float = Field(6 * 3600.0, ge=0, description="a run declared with no time limit is planned on at "
+                                 "least this many seconds (Slurm's partition DefaultTime for a job without --time)")
     learn_down: bool = Field(False, description="experimental: plan a tenant's limited runs on what its runs take of "
                              "what they declare (the median of its history, never above 1), not on the declared limit")
     batch_events: bool = Field(True, description="one pass per burst of simultaneous events, as the live plugin "
@@ -68,9 +70,9 @@ class PolicyConfig(BaseModel):
 
     def limits(self) -> TimeLimits:
         """The time limits these settings describe (the simulator plays them as the control plane enforces them)."""
-        return TimeLimits(self.over_time, self.kill_wait, self.no_limit_premium)
+        return TimeLimits(self.over_time, self.kill_wait, self.no_limit_premium, self.no_limit_plan)
 
     def build(self, weights: dict[str, float] | None = None) -> FinishTimeFair:
         """The policy these settings describe."""
         return FinishTimeFair(weights=weights, time_limits=self.limits(), **self.model_dump(
-            exclude={"batch_events", "over_time", "kill_wait", "no_limit_premium", "learn_down"}), learn_down=self.learn_down)
+            exclude={"batch_events", "over_time", "kill_wait", "no_limit_premium", "no_limit_plan", "learn_down"}), learn_down=self.learn_down)

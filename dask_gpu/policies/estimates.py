@@ -81,7 +81,8 @@ class Estimates:
         f = self.factor(job.tenant)  # new, or entered again as declared (a preempted run's client): planned now
         if f <= 1.0 and self.down and self.limits is not None and not (job.no_limit or job.requeue):
             f = self.typical(job.tenant)  # a limit caps how far under the plan it can run: planned on what it takes
-        planned = dataclasses.replace(job, estimate=self._capped(job, job.estimate * f)) if f != 1.0 else job
+        estimate = self._capped(job, job.estimate * f)
+        planned = dataclasses.replace(job, estimate=estimate) if estimate != job.estimate else job
         self.view[job.id] = (planned, job.estimate)
         return planned
 
@@ -112,8 +113,13 @@ class Estimates:
         return min(1.0, max(v[len(v) // 2], 0.01))
 
     def _capped(self, job: Job, estimate: float) -> float:
-        """A run with a time limit cannot hold its GPUs past its limit and the grace: planned no longer than that."""
-        if self.limits is None or job.no_limit or job.requeue:  # (one that requeues comes back: its work orders it)
+        """A run with a time limit cannot hold its GPUs past its limit and the grace: planned no longer than that.
+        One with no limit is planned no shorter than the operator's `no_limit_plan`."""
+        if self.limits is None:
+            return estimate
+        if job.no_limit:
+            return self.limits.planned_no_limit(estimate)
+        if job.requeue:  # (one that requeues comes back: its work orders it)
             return estimate
         return min(estimate, self.limits.planned(self.declared_of(job)))
 
