@@ -173,6 +173,41 @@ def test_a_callers_row_commits_with_the_holds_or_not_at_all(ledger_url):
         calls.drop(ledger.engine)
 
 
+def test_a_callers_row_moves_with_a_settlement_or_not_at_all(ledger_url):
+    """`settle(also=...)`: a warm body's idle hold is settled and its row moved in one transaction, so neither
+    stands without the other (a row that still says idle is settled again by whoever loads it: settling twice
+    changes nothing)."""
+    import uuid
+
+    ledger = Ledger(ledger_url)
+    rows = sa.Table(f"rows_{uuid.uuid4().hex[:8]}", sa.MetaData(), sa.Column("body", sa.String(64), primary_key=True),
+                    sa.Column("state", sa.String(16)))
+    rows.create(ledger.engine)
+    try:
+        (hold,), _ = ledger.reserve([line()], 0.4, kind="warm-hold", payload={}, **IDS,
+                                    also=lambda conn, held, rec: conn.execute(rows.insert().values(body="b",
+                                                                                                   state="idle")))
+
+        def killed(conn):
+            conn.execute(rows.update().values(state="ended"))
+            raise RuntimeError("the replica died here")
+
+        with pytest.raises(RuntimeError, match="the replica died here"):
+            ledger.settle([hold.id], 0.1, kind="warm-idle", payload={}, **IDS, also=killed)
+        with ledger.engine.connect() as conn:
+            assert conn.execute(sa.select(rows.c.state)).scalars().all() == ["idle"]
+        assert ledger.account("team-a", "2026-11")["pending"] == pytest.approx(0.4)  # still held
+        ledger.settle([hold.id], 0.1, kind="warm-idle", payload={}, **IDS,
+                      also=lambda conn: conn.execute(rows.update().values(state="ended")))
+        with ledger.engine.connect() as conn:
+            assert conn.execute(sa.select(rows.c.state)).scalars().all() == ["ended"]
+        acct = ledger.account("team-a", "2026-11")
+        assert acct["pending"] == pytest.approx(0.0) and acct["posted"] == pytest.approx(0.1)
+        assert [r.kind for r in ledger.records()] == ["warm-hold", "warm-idle"] and ledger.verify().ok
+    finally:
+        rows.drop(ledger.engine)
+
+
 def test_signed_checkpoints_catch_a_clean_truncation(ledger_url, tmp_path):
     """Truncate the tail and rewrite the head to match: the chain alone cannot tell, a signed checkpoint can."""
     from typer.testing import CliRunner

@@ -192,7 +192,8 @@ class Ledger:
 
     def settle(self, hold_ids: list[str], actual: float | dict[str, float] | None, *, kind: str, payload: dict[str, Any],
                flow_run_id: str | None, task_run_id: str | None,
-               principal: str | None) -> tuple[list[Settlement], EvidenceRecord | None]:
+               principal: str | None, also: Callable[[Any], None] | None = None,
+               ) -> tuple[list[Settlement], EvidenceRecord | None]:
         """Post the actual charge against the holds and release the rest, exactly once.
 
         The holds' groups are settled whole: every hold of each reservation they belong to.
@@ -203,12 +204,23 @@ class Ledger:
         share of the excess on every account, so a team's spend stays the sum of its flows')
         and records the rest as uncovered, so spend never passes a limit. Settling twice, or
         nothing, changes nothing and records nothing.
+        `also(conn)` writes the caller's own rows in the same transaction, as `reserve`'s does (it runs
+        again if the settlement is retried; a settlement found done runs it too).
         """
         ids = _hold_ids(hold_ids)
         charges = _charges(actual)
         if not ids:
             return [], None
-        return self._write(settle_op(ids, charges, kind, payload, _ids(flow_run_id, task_run_id, principal)))
+        op = settle_op(ids, charges, kind, payload, _ids(flow_run_id, task_run_id, principal))
+        if also is None:
+            return self._write(op)
+
+        def op_and_also(w: WriteBatch) -> tuple[list[Settlement], EvidenceRecord | None]:
+            done = op(w)
+            also(w.conn)
+            return done
+
+        return self._write(op_and_also)
 
     def renew(self, hold_ids: list[str], lease_seconds: float | None = None) -> set[str]:
         """Extend the lease of the holds' groups that have not run out; returns the hold ids renewed."""

@@ -9,7 +9,8 @@ ends it (the `aisched-warm-body` event says so) or when its worker dies (the tic
 event, sent for every worker that leaves); either way the hold is settled once with the idle seconds, at most the
 keep-warm time, and through a ledger outage with the retries a run's settlement uses (control.outlast).
 
-Each idle period is a row (control.dispatch.warm_rows) written before it is kept here: a plane killed and started again, or
+Each idle period is a row (control.dispatch.warm_rows), written in the transaction that takes its hold (and moved
+in the one that settles it), before it is kept here: a plane killed and started again, or
 another replica, loads the idle bodies from the rows, ends those whose authority ended and settles their idle time;
 reconciling with what the workers report (control.warm_reconcile) settles the ones that ended unheard. The hold's
 lease runs a little past the keep-warm time, so a body nobody accounts for expires charged at most that. A body
@@ -71,7 +72,6 @@ class WarmIdle:
     gpu_type: str | None
     worker: str
     since: float  # the plane's clock (time.time()): rows carry it across a restart
-    stored: bool = True  # its row was written (False: the ledger failed just then; it lives here only)
 
     def idle_at(self, at: float | None = None) -> float:
         return min(max((time.time() if at is None else at) - self.since, 0.0), self.keep)
@@ -105,7 +105,7 @@ class WarmBooks:
                 if key not in self._gone:
                     self._idle.setdefault(key, _period(row))
             # A period booked while the rows were read is not in them, and is not gone for that.
-            for key in [k for k, p in self._idle.items() if p.stored and k not in rows and p.since < read_at]:
+            for key in [k for k, p in self._idle.items() if k not in rows and p.since < read_at]:
                 del self._idle[key]
             return len(self._idle)
 
@@ -134,10 +134,13 @@ class WarmBooks:
 
         payload = {"task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body["id"],
                    "keep_seconds": keep, "worker": worker, "admission": adm.id, **_as_run(adm, gpu_type, worker)}
+        since = time.time()
+        row = self.rows.idle_op(body["id"], key[1], adm, keep, gpu_type, worker, warm_key(adm), since, since)
         try:
             lines, _ = self._lines(adm, gpu_type, keep)
             holds, _ = self.ledger.reserve(lines, kind="warm-hold", payload=payload,
-                                           lease_seconds=keep + LEASE_MARGIN_SECONDS, **_ids(adm, *key))
+                                           lease_seconds=keep + LEASE_MARGIN_SECONDS, **_ids(adm, *key),
+                                           also=lambda conn, held, _rec: row(conn, held))
         except (BudgetExceeded, InvalidLedgerInput) as exc:
             self.ledger.record("warm-refused", {**payload, "reason": str(exc)}, **_ids(adm, *key))
             why = f"its idle time is not covered: {exc}"
@@ -148,10 +151,7 @@ class WarmBooks:
             logger.warning("warm body %s ends: its idle time could not be held (%s)", body["id"], exc)
             self._end_bodies([body["id"]], f"its idle time could not be held: {exc}")
             return
-        since = time.time()
-        stored = self._row(body["id"], lambda: self.rows.idle(body["id"], key[1], adm, holds, keep, gpu_type, worker,
-                                                              warm_key(adm), since, since))
-        period = WarmIdle(body["id"], key[1], adm, holds, keep, gpu_type, worker, since, stored)
+        period = WarmIdle(body["id"], key[1], adm, holds, keep, gpu_type, worker, since)  # its row with its hold
         with self._lock:
             if key not in self._gone:  # else it ended (its row read) between the row's write and now: settled once
                 self._idle[key] = period
@@ -201,18 +201,19 @@ class WarmBooks:
                 self._gone_now((body, runs))
         seconds = min(max(idle, 0.0), period.keep)
         adm = period.admission
-        try:
+        at = period.since + seconds  # when it ended, as far as the books can tell (not when this was heard)
+        row = self.rows.left_idle_op(body, runs, taken=taken, why=why, at=at)
+        try:  # the hold settled and the row moved in one transaction
             _, charges = self._lines(adm, period.gpu_type, seconds)
             outlasting(lambda: self.ledger.settle([h.id for h in period.holds], charges, kind="warm-idle", payload={
                 "task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body,
                 "outcome": "warm-idle", "seconds": seconds, "ended": why, "worker": period.worker,
                 "admission": adm.id, "charges": charges, **_as_run(adm, period.gpu_type, period.worker)},
-                **_ids(adm, body, runs)), patience=self.patience, what=f"the idle time of warm body {body} ended")
+                **_ids(adm, body, runs), also=row), patience=self.patience,
+                what=f"the idle time of warm body {body} ended")
         except Exception:  # its hold expires (charged at most the keep-warm time): never lost, never twice
             logger.exception("could not settle the idle time of warm body %s", body)
-            return
-        at = period.since + seconds  # when it ended, as far as the books can tell (not when this was heard)
-        self._row(body, lambda: self.rows.left_idle(body, runs, taken=taken, why=why, at=at))
+            # its row still says idle: a plane that loads it settles it then (settling twice changes nothing)
 
     def _gone_now(self, key: tuple[str, int]) -> None:
         """A period is being settled (the lock held): a row read before, or a booking that finishes after, is stale."""

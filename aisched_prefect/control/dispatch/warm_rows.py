@@ -11,6 +11,7 @@ that both see an end move it once; the money is settled once by the ledger (sett
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +59,24 @@ class BodyRows:
              worker: str, key: str, since: float, started_at: float) -> None:
         """The body waits for the next run of its key: its idle period `runs` and its hold (a cold body's row is
         made here: the plane hears of a body with its first run's outcome)."""
-        values = {"body": body, "key": key, "tenant": adm.tenant, "principal": adm.principal, "worker": worker,
-                  "state": "idle", "runs": runs, "admission": adm.model_dump(mode="json"),
-                  "holds": [h.model_dump(mode="json") for h in holds], "keep_seconds": keep, "gpu_type": gpu_type,
-                  "started_at": started_at, "idle_since": since, "ended_at": None, "ended_why": None,
-                  "updated_at": time.time()}
-        self.ledger.write(lambda conn: _upsert(conn, values, later_only=True))
+        self.ledger.write(lambda conn: self.idle_op(body, runs, adm, keep, gpu_type, worker, key, since,
+                                                    started_at)(conn, holds))
+
+    @staticmethod
+    def idle_op(body: str, runs: int, adm: Admission, keep: float, gpu_type: str | None, worker: str, key: str,
+                since: float, started_at: float) -> Callable[[Any, list[Hold]], None]:
+        """`idle` as a write on a transaction's connection, given the holds it is written with (the idle hold's
+        own transaction: control.dispatch.warm, so a hold never stands without its row, nor a row without its
+        hold)."""
+        def op(conn: Any, holds: list[Hold]) -> None:
+            values = {"body": body, "key": key, "tenant": adm.tenant, "principal": adm.principal, "worker": worker,
+                      "state": "idle", "runs": runs, "admission": adm.model_dump(mode="json"),
+                      "holds": [h.model_dump(mode="json") for h in holds], "keep_seconds": keep,
+                      "gpu_type": gpu_type, "started_at": started_at, "idle_since": since, "ended_at": None,
+                      "ended_why": None, "updated_at": time.time()}
+            _upsert(conn, values, later_only=True)
+
+        return op
 
     def ended_cold(self, body: str, adm: Admission, worker: str, key: str, why: str, started_at: float) -> None:
         """A body that ended with its run, or was never held idle (its idle time not covered)."""
@@ -77,6 +90,11 @@ class BodyRows:
     def left_idle(self, body: str, runs: int, *, taken: bool, why: str, at: float | None = None) -> bool:
         """Its idle period `runs` ended: taken by a run of its key (`taken`), or the body ended (`why`). Whether this
         call moved the row (False: another replica did, or the row never said idle)."""
+        return bool(self.ledger.write(self.left_idle_op(body, runs, taken=taken, why=why, at=at)))
+
+    @staticmethod
+    def left_idle_op(body: str, runs: int, *, taken: bool, why: str, at: float | None = None) -> Callable[[Any], bool]:
+        """`left_idle` as a write on a transaction's connection (the idle hold's settlement's own: one write)."""
         at = time.time() if at is None else at
         values: dict[str, Any] = ({"state": "running", "taken_at": at, "updated_at": time.time()} if taken else
                                   {"state": "ended", "ended_at": at, "ended_why": why[:2000], "updated_at": time.time()})
@@ -86,7 +104,7 @@ class BodyRows:
                                                      & (table.c.state == "idle")).values(values))
             return bool(done.rowcount)
 
-        return bool(self.ledger.write(op))
+        return op
 
     def load_idle(self, body: str | None = None, runs: int | None = None) -> list[IdleRow]:
         """The idle bodies (or the one idle period `body`, `runs`), whoever booked them."""
