@@ -81,6 +81,27 @@ def test_a_task_run_belongs_to_its_first_caller_and_keys_name_the_caller(ledger_
     assert len(call_key("a" * 400, "t" * 64, 99, "9" * 20)) <= 300  # fits the key column, whatever the names
 
 
+def test_a_call_under_another_principals_task_run_is_refused_and_claims_nothing(ledger_url):
+    """`check_and_claim` files a new task run's owner and claims its call in one write: a call under a task run
+    another principal called under first is refused (on any replica) and leaves no call row; the owner's goes on."""
+    from aisched_prefect.control.calls import Unauthorized, call_key
+
+    ledger = Ledger(ledger_url)
+    a, b = CallBook(ledger, _name("a"), "http://a"), CallBook(ledger, _name("b"), "http://b")
+    flow, run = _name("fr"), _name("tr")
+    owner, thief = "auth:team-b/etl", "auth:team-a/nightly"
+    assert a.check_and_claim(flow, run, owner, call_key(owner, run, 1))[0] == "new"
+    b.owner(flow, owner)
+    stolen = call_key(thief, run, 1)
+    with pytest.raises(Unauthorized, match="belongs to another principal"):
+        b.check_and_claim(_name("fr"), run, thief, stolen)  # its own flow run, another's task run
+    assert b.get(stolen) is None
+    with pytest.raises(Unauthorized, match="belongs to another principal"):
+        b.check_and_claim(_name("fr"), run, thief, stolen)  # known now: refused from the cache too
+    assert b.check_and_claim(flow, run, owner, call_key(owner, run, 2))[0] == "new"
+    assert b.check_and_claim(flow, run, owner, call_key(owner, run, 1))[0] == "busy"  # a's, alive
+
+
 def _completed(token: str) -> dict:
     ref = {"url": "http://10.0.0.5:4321", "token": token, "digest": "ab" * 32, "size": 3 * 2**20, "expires_at": 1e10}
     return {"status": "completed", "key": "", "result_digest": "ab" * 32, "result_ref": ref}

@@ -277,11 +277,47 @@ class CallBook:
 
     def claim(self, key: str) -> tuple[Claim, Any]:
         """Own `key`: new, taken over from a dead replica, busy on a live one, or already done."""
-        now = time.time()
-        row = {"key": key, "replica": self.replica, "status": "running", "admission": None, "reply": None,
-               "updated_at": now}
-        if self.ledger.write(lambda conn: insert_new(conn, calls, row)):
+        if self.ledger.write(lambda conn: insert_new(conn, calls, self._new_row(key))):
             return "new", None
+        return self._claimed(key)
+
+    def _new_row(self, key: str) -> dict[str, Any]:
+        return {"key": key, "replica": self.replica, "status": "running", "admission": None, "reply": None,
+                "updated_at": time.time()}
+
+    def check_and_claim(self, flow_run_id: str, task_run_id: str, caller: str, key: str) -> tuple[Claim, Any]:
+        """`check_caller`, then `claim`, in one write for a task run seen first (each shard of a .map() is one): its
+        owner filed and the call claimed in the same transaction, the claim only if the task run is the caller's."""
+        owner = self.owner(flow_run_id, caller)
+        if owner != caller:
+            raise Unauthorized(f"flow run {flow_run_id} belongs to {owner!r}: a flow files its calls under its own flow "
+                               "run", 403)
+        task_key = f"task:{task_run_id}"
+        if task_key in self._owners:
+            self.check_caller(flow_run_id, task_run_id, caller)
+            return self.claim(key)
+        row = self._new_row(key)
+
+        def op(conn: Any) -> tuple[str, bool]:
+            if not insert_new(conn, task_runs, {"task_run_id": task_run_id, "principal": caller}):
+                first = conn.execute(sa.select(task_runs.c.principal)
+                                     .where(task_runs.c.task_run_id == task_run_id)).scalar_one()
+                if first != caller:
+                    return first, False
+            return caller, insert_new(conn, calls, row)
+
+        first, new = self.ledger.write(op)
+        if len(self._owners) > 10_000:
+            self._owners.clear()
+        self._owners[task_key] = first
+        if first != caller:
+            raise Unauthorized(f"task run {task_run_id} belongs to another principal: a flow files its calls under its "
+                               "own task runs", 403)
+        return ("new", None) if new else self._claimed(key)
+
+    def _claimed(self, key: str) -> tuple[Claim, Any]:
+        """`key` was filed before this claim: done, busy on a live replica, or taken over from a dead one."""
+        now = time.time()
         with self.ledger.reader.connect() as conn:
             row = conn.execute(sa.select(calls).where(calls.c.key == key)).first()
         if row is None:  # removed meanwhile: try once more

@@ -167,9 +167,8 @@ class Runs:
         function_digest = digest(fn_bytes)  # the code identity, from the bytes received (never unpickled)
         _check_shipped(fn_bytes, meta.code_digest)
         request = AIRequest.build(**meta.request)
-        self.calls.check_caller(meta.flow_run_id, meta.task_run_id, who(cred))
         key = call_key(who(cred), meta.task_run_id, meta.attempt, meta.admission)
-        claim, row = self.calls.claim(key)
+        claim, row = self.calls.check_and_claim(meta.flow_run_id, meta.task_run_id, who(cred), key)
         filed: list[str] = []  # the admission filed with the call in the transaction that took its holds
         if claim == "busy" and row.replica == self.replica:
             with self._flight_lock:  # checked and taken at once: two resends of it here take it over once
