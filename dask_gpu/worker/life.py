@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distributed import get_worker
 from distributed.comm import get_address_host
@@ -59,10 +59,8 @@ from dask_gpu.worker import execute
 from dask_gpu.worker.bodies import BodyProcess
 from dask_gpu.worker.execute import DEVICE_WAIT_SECONDS, DeviceLease, gpu_env
 from dask_gpu.worker.plugin import PLUGIN_NAME, WARM_HOLD, GPUWorkerPlugin
+from dask_gpu.worker.records import Body
 from dask_gpu.worker.zygote import kill_group
-
-if TYPE_CHECKING:
-    from dask_gpu.worker.sandbox import Body
 
 POLL_SECONDS = 0.1
 GANG_MEET_SECONDS = 120.0  # how long a gang member holding its devices waits for the others

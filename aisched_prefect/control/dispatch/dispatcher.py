@@ -42,7 +42,8 @@ from dask_gpu import WorkerInventory, cluster_inventories, end_warm, request_sto
 from dask_gpu.worker.bodies import WARM_TOPIC
 from dask_gpu.errors import StopRequested
 from dask_gpu.scheduler.queue import PLACED_STREAM_OP
-from dask_gpu.worker.sandbox import Body, Outcome, run_ticketed
+from dask_gpu.worker.records import Body, Outcome
+from dask_gpu.worker.sandbox import run_ticketed
 from dask_gpu.tickets import DIED_TOPIC, Ticket, TicketRejected, TicketSigner
 
 logger = logging.getLogger("aisched_prefect.control")

@@ -10,7 +10,7 @@ from typing import Any
 from aisched_prefect.control.admission.record import Admission
 from aisched_prefect.ledger import Hold
 from aisched_prefect.wire import Reply
-from dask_gpu.worker.sandbox import Body
+from dask_gpu.worker.records import Body
 from dask_gpu.tickets import Ticket
 
 logger = logging.getLogger("aisched_prefect.control")

@@ -21,7 +21,7 @@ from aisched_prefect.ledger import BudgetAlert, Hold
 from aisched_prefect.usage import ReportedUsage, reported
 from aisched_prefect.wire import Reply
 from blocks import MAX_AMOUNT, BudgetBlock, UnpriceableRequest, Usage
-from dask_gpu.worker.sandbox import Outcome
+from dask_gpu.worker.records import Outcome
 
 logger = logging.getLogger("aisched_prefect.control")
 
