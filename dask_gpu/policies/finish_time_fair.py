@@ -73,8 +73,8 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
     overrun factor (`estimates.Estimates`, with `correct_estimates`), so
     declaring short buys no place in the queue. With `time_limits` (the live configuration's), a run's estimate is
     its limit: it is planned on no more than its limit plus the grace (it cannot hold its GPUs longer), and a run
-    declared with no limit (`Job.no_limit`) is planned on its tenant's factor and its overrun charged at the
-    premium (`time_limits`).
+    declared with no limit (`Job.no_limit`) is planned on at least the limits' `no_limit_plan` and its tenant's
+    factor, and its overrun charged at the premium (`time_limits`).
 
     With `starve_after`, a light tenant's run that waited that long goes first, on a reservation (`starvation`).
 
