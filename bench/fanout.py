@@ -78,8 +78,13 @@ def prefect_server(database: str | None = None):
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        os.environ["PREFECT_API_URL"] = url
-        yield url
+        os.environ["PREFECT_API_URL"] = url  # the control plane and workers this bench starts
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        # This process imported Prefect before: its settings were read then, and without this its flows would run
+        # against an ephemeral server of their own (a second server, which the control plane never talks to).
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)

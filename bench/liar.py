@@ -21,7 +21,6 @@ and the liar's mean JCT lying / honest (target >= 1: lying gains nothing), for e
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
 import sys
 from collections import Counter
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.days import SETS  # noqa: E402
+from bench.days import SETS, _value  # noqa: E402
 from bench.trace import TRACE, load  # noqa: E402
 from dask_gpu.policies.config import PolicyConfig  # noqa: E402
 from dask_gpu.sim.simulator import simulate, with_estimates  # noqa: E402
@@ -77,7 +76,7 @@ def main() -> None:
                    "seconds for every job")
     p.add_argument("--ours", nargs="*", default=[], help="settings on top of the live configuration, name=value")
     args = p.parse_args()
-    settings = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.ours)}
+    settings = {k: _value(v) for k, v in (a.split("=", 1) for a in args.ours)}
     if args.declare != "quarter":
         try:
             float(args.declare)

@@ -132,7 +132,7 @@ def test_the_simulator_and_the_control_planes_watch_stop_the_same_run_at_the_sam
 
 
 def test_learn_down_plans_a_tenant_that_over_declares_on_what_its_runs_take_only_when_asked():
-    for down, planned in ((False, 600.0), (True, 150.0)):
+    for down, planned in ((False, 600.0), (True, 150.0), ("off", 600.0), ("tenant", 150.0), ("size", 150.0)):
         policy = PolicyConfig(learn_down=down).build()
         for i in range(5):
             policy.estimates.learn("a", 600.0, 150.0)  # its runs take a quarter of what it declares
@@ -141,3 +141,20 @@ def test_learn_down_plans_a_tenant_that_over_declares_on_what_its_runs_take_only
         assert policy.estimates.plan_of(1)["planned"] == planned
         # no limit: never planned below what it declared, nor below the default run time (6 h)
         assert policy.estimates.plan_of(2)["planned"] == 21600.0
+
+
+def test_learn_down_learns_each_size_of_run_apart():
+    """Users round up to a few limits: a tenant whose one-hour runs take a quarter of it and whose four-hour runs take
+    all of it has its one-hour runs planned on 15 minutes and its four-hour runs on four hours."""
+    policy = PolicyConfig(learn_down="size").build()
+    for _ in range(5):
+        policy.estimates.learn("a", 3600.0, 900.0)
+        policy.estimates.learn("a", 14400.0, 14400.0)
+    state = ClusterState(free=[8])
+    policy.submit(Job(1, "a", 1, 0.0, 3600.0), state)
+    policy.submit(Job(2, "a", 1, 0.0, 14400.0), state)
+    policy.submit(Job(3, "a", 1, 0.0, 120.0), state)  # a size it has no history of: as declared
+    assert policy.estimates.plan_of(1)["planned"] == 900.0
+    assert policy.estimates.plan_of(2)["planned"] == 14400.0
+    assert policy.estimates.plan_of(3)["planned"] == 120.0
+

@@ -8,10 +8,10 @@ environment, or a YAML file), read when the plugin is installed; a bench changes
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import dask.config
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dask_gpu.policies.finish_time_fair import LIVE_HALF_LIFE, FinishTimeFair
 from dask_gpu.policies.time_limits import TimeLimits
@@ -51,10 +51,19 @@ class PolicyConfig(BaseModel):
                                     "many times in its tenant's rho (so no limit never beats an honest one)")
     no_limit_plan: float = Field(6 * 3600.0, ge=0, description="a run declared with no time limit is planned on at "
                                  "least this many seconds (Slurm's partition DefaultTime for a job without --time)")
-    learn_down: bool = Field(False, description="experimental: plan a tenant's limited runs on what its runs take of "
-                             "what they declare (the median of its history, never above 1), not on the declared limit")
+    learn_down: Literal["off", "tenant", "size"] = Field("off", description="experimental: plan a tenant's limited "
+                                                        "runs on what its runs take of what they declare (the median "
+                                                        "of its history, never above 1): one history per tenant, or "
+                                                        "per tenant and size of run; off: on the declared limit")
     batch_events: bool = Field(True, description="one pass per burst of simultaneous events, as the live plugin "
                                                  "dispatches once per event-loop turn (the simulator follows it)")
+
+    @field_validator("learn_down", mode="before")
+    @classmethod
+    def _learn_down_words(cls, value: Any) -> Any:
+        """`true`/`false` (as the setting was first written) mean "tenant"/"off"."""
+        return {True: "tenant", False: "off", "true": "tenant", "false": "off"}.get(value, value) \
+            if isinstance(value, (bool, str)) else value
 
     @classmethod
     def from_dask(cls, **overrides: Any) -> PolicyConfig:

@@ -38,6 +38,11 @@ DOWN_AFTER = 5  # runs of a tenant before `learn_down` plans on what they take
 REPLAN_BATCH = 32  # at most this many waiting runs planned again per pass, each from its tenant's queue's front
 
 
+def _size_class(declared: float) -> int:
+    """Declared run times within a factor of 2 of each other are one class."""
+    return round(math.log2(max(declared, 1.0)))
+
+
 class Estimates:
     """Per-tenant overrun factors, and the planned view of every job the policy holds (waiting or running)."""
 
@@ -46,8 +51,8 @@ class Estimates:
             raise ValueError(f"estimate memory must be at least 1 run, not {memory!r}")
         self.memory, self.correct = int(memory), correct  # `correct` False: plan on what was declared (comparison)
         self.limits = limits  # with limits, a run with one is planned no longer than it may run
-        self.down = False  # plan limited runs of a tenant that over-declares on what its runs take (`learn_down`)
-        self.raw: dict[str, deque[float]] = {}  # tenant -> ran / declared of its last `memory` runs (uncapped)
+        self.down = "off"  # plan limited runs on what the tenant's runs take (`learn_down`: "tenant" or "size")
+        self.raw: dict[tuple[str, int], deque[float]] = {}  # (tenant, class) -> ran / declared of its last runs
         self.view: dict[int, tuple[Job, float]] = {}  # job id -> (the job as planned, its declared estimate)
         self.ratios: dict[str, deque[float]] = {}  # tenant -> max(1, ran / declared) of its last `memory` runs
         self.past_now: dict[str, float] = {}  # tenant -> the largest ran so far / declared of its runs past their end
@@ -79,8 +84,8 @@ class Estimates:
                 self.view[job.id] = (job, known[1])
             return job
         f = self.factor(job.tenant)  # new, or entered again as declared (a preempted run's client): planned now
-        if f <= 1.0 and self.down and self.limits is not None and not (job.no_limit or job.requeue):
-            f = self.typical(job.tenant)  # a limit caps how far under the plan it can run: planned on what it takes
+        if f <= 1.0 and self.down != "off" and self.limits is not None and not (job.no_limit or job.requeue):
+            f = self.typical(job.tenant, job.estimate)  # a limit caps how far under the plan it can run: planned on what it takes
         estimate = self._capped(job, job.estimate * f)
         planned = dataclasses.replace(job, estimate=estimate) if estimate != job.estimate else job
         self.view[job.id] = (planned, job.estimate)
@@ -103,14 +108,20 @@ class Estimates:
                 out.append((planned, again))
         return out
 
-    def typical(self, tenant: str) -> float:
+    def typical(self, tenant: str, declared: float) -> float:
         """What a tenant's runs take of what they declare: the median of its last runs (at most 1; 1 with fewer than
-        `DOWN_AFTER` runs), Tsafrir's prediction from a user's history, downward only."""
-        raw = self.raw.get(tenant)
+        `DOWN_AFTER`), Tsafrir's prediction from a user's history, downward only. `learn_down="size"` keeps a
+        history per size of run (declared within a factor of 2), because users round up to a few limits (15 min,
+        1 h, 4 h) and a tenant's one-hour runs say little of how much of its four-hour ones it uses; "tenant" keeps
+        one for all its runs (measured: it takes a liar's gain away more surely, and costs honest days more)."""
+        raw = self.raw.get((tenant, self._class(declared)))
         if not raw or len(raw) < DOWN_AFTER:
             return 1.0
         v = sorted(raw)
         return min(1.0, max(v[len(v) // 2], 0.01))
+
+    def _class(self, declared: float) -> int:
+        return _size_class(declared) if self.down == "size" else 0
 
     def _capped(self, job: Job, estimate: float) -> float:
         """A run with a time limit cannot hold its GPUs past its limit and the grace: planned no longer than that.
@@ -127,8 +138,8 @@ class Estimates:
         """A run of `tenant` that declared `declared` seconds ended after `ran` (only its last `memory` runs count)."""
         if declared > 0:
             self.ratios.setdefault(tenant, deque(maxlen=self.memory)).append(max(1.0, ran / declared))
-            if self.down:
-                self.raw.setdefault(tenant, deque(maxlen=self.memory)).append(ran / declared)
+            if self.down != "off":
+                self.raw.setdefault((tenant, self._class(declared)), deque(maxlen=self.memory)).append(ran / declared)
             self._factors.pop(tenant, None)
 
     def forget(self, job: Job) -> float | None:

@@ -92,7 +92,7 @@ class FinishTimeFair(EstimatePlanning, StarvationBound, FairnessBooks, EasyBackf
                  horizon: float = 6 * 3600.0, reservations: int = 4, tail: float = 1.0, tail_quiet: float = 3600.0,
                  align: bool = True, owed: bool = False, half_life: float | None = None, learn: bool = True,
                  sharpness: float = 4.0, estimate_memory: float = 100.0, correct_estimates: bool = True,
-                 starve_after: float = 0.0, time_limits: TimeLimits | None = None, learn_down: bool = False) -> None:
+                 starve_after: float = 0.0, time_limits: TimeLimits | None = None, learn_down: str = "off") -> None:
         super().__init__()
         self._open_books(weights, horizon, half_life, learn, time_limits)
         self._open_estimates(estimate_memory, correct_estimates, time_limits)
