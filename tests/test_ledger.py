@@ -143,15 +143,21 @@ def test_group_commit_keeps_each_write_all_or_nothing(ledger_url):
     assert kinds.count("admission") == 1 + len(granted) and kinds.count("settlement") == 1
 
 
+def _side_table(ledger: Ledger, prefix: str, key: str, value: str) -> sa.Table:
+    """A caller's own table beside the books (a name of its own: the Postgres database is shared by every run)."""
+    import uuid
+
+    table = sa.Table(f"{prefix}_{uuid.uuid4().hex[:8]}", sa.MetaData(), sa.Column(key, sa.String(64), primary_key=True),
+                     sa.Column(value, sa.String(64)))
+    table.create(ledger.engine)
+    return table
+
+
 def test_a_callers_row_commits_with_the_holds_or_not_at_all(ledger_url):
     """`reserve(also=...)`: the control plane files a call's admission beside its holds in one transaction, so a
     replica killed just after the holds were taken leaves its admission findable (not held twice by a takeover)."""
-    import uuid
-
     ledger = Ledger(ledger_url)
-    calls = sa.Table(f"calls_{uuid.uuid4().hex[:8]}", sa.MetaData(), sa.Column("key", sa.String(64), primary_key=True),
-                     sa.Column("hold", sa.String(64)))
-    calls.create(ledger.engine)
+    calls = _side_table(ledger, "calls", "key", "hold")
     try:
         (hold,), rec = ledger.reserve([line()], 0.4, kind="admission", payload={}, **IDS,
                                       also=lambda conn, held, rec: conn.execute(calls.insert().values(
@@ -177,12 +183,8 @@ def test_a_callers_row_moves_with_a_settlement_or_not_at_all(ledger_url):
     """`settle(also=...)`: a warm body's idle hold is settled and its row moved in one transaction, so neither
     stands without the other (a row that still says idle is settled again by whoever loads it: settling twice
     changes nothing)."""
-    import uuid
-
     ledger = Ledger(ledger_url)
-    rows = sa.Table(f"rows_{uuid.uuid4().hex[:8]}", sa.MetaData(), sa.Column("body", sa.String(64), primary_key=True),
-                    sa.Column("state", sa.String(16)))
-    rows.create(ledger.engine)
+    rows = _side_table(ledger, "rows", "body", "state")
     try:
         (hold,), _ = ledger.reserve([line()], 0.4, kind="warm-hold", payload={}, **IDS,
                                     also=lambda conn, held, rec: conn.execute(rows.insert().values(body="b",
