@@ -185,8 +185,13 @@ def _plan_line(plan: dict[str, Any]) -> str:
     'estimate 600 s x 1.8 (tenant history) = 1080 s planned'
     >>> _plan_line({"declared": 600.0, "factor": 1.0, "planned": 600.0})
     'estimate 600 s planned as declared (x 1: the tenant has not overrun its estimates)'
+    >>> _plan_line({"declared": 60.0, "factor": 4.0, "planned": 21600.0, "no_limit_plan": 21600.0})
+    'no time limit: planned as 21600 s, the no_limit_plan of the queue (estimate 60 s x 4 tenant history)'
     """
     declared, factor, planned = plan.get("declared", 0.0), plan.get("factor", 1.0), plan.get("planned", 0.0)
+    if "no_limit_plan" in plan:
+        return (f"no time limit: planned as {planned:.0f} s, the no_limit_plan of the queue (estimate {declared:.0f} s x "
+                f"{factor:.3g} tenant history)")
     if factor <= 1.0:
         return f"estimate {declared:.0f} s planned as declared (x 1: the tenant has not overrun its estimates)"
     return f"estimate {declared:.0f} s x {factor:.3g} (tenant history) = {planned:.0f} s planned"

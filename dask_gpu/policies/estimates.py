@@ -177,6 +177,10 @@ class Estimates:
             return None
         planned, declared = known
         factor = planned.estimate / declared if declared > 0 else 1.0
+        if planned.no_limit and self.limits is not None and planned.estimate <= self.limits.no_limit_plan:
+            # planned on the default run time, not on its tenant's history: say both
+            return {"declared": declared, "factor": round(self.factor(planned.tenant), 6),
+                    "planned": planned.estimate, "no_limit_plan": self.limits.no_limit_plan}
         return {"declared": declared, "factor": round(factor, 6), "planned": planned.estimate}
 
     def status(self) -> dict[str, float]:
