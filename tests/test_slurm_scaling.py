@@ -143,3 +143,46 @@ def test_dask_gpu_slurm_help_lists_its_options_and_config_fields_and_check_submi
     config.write_text(config.read_text().replace(", tenant: team-c", ""))  # a group of workers that would not start
     done = subprocess.run([exe, config, "--check"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "group a100-1 names no tenant" in done.stderr and "Fix:" in done.stderr
+
+
+def test_a_job_whose_worker_left_while_slurm_still_lists_it_is_ended_by_slurm_not_given_back(monkeypatch, caplog):
+    """A scancel: the worker leaves at once, Slurm lists the job COMPLETING a while longer. The scaler waits for
+    Slurm's word (ended outside the scaler) instead of giving it back as a pending job, and counts it meanwhile."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from dask_gpu.slurm import scaler as module
+    from dask_gpu.slurm.jobs import JobEnd
+
+    squeue = {"7": ("RUNNING", "None")}
+    monkeypatch.setattr(module, "queue_states", lambda ids: {i: squeue[i] for i in ids if i in squeue})
+    monkeypatch.setattr(module, "job_end", lambda job: JobEnd(job=job, state="CANCELLED"))
+    workers = {"h100-a-1": {"busy": True, "room": ()}}
+
+    class Client:
+        async def run_on_scheduler(self, fn, **kw):
+            return {"queue": True, "workers": workers, "waiting": []} if fn is module.backlog_on_scheduler else None
+
+    closed = []
+    settings = module.ScalerSettings(scheduler="tls://x:1", tls_dir="/nonexistent", trust_keys=("ab",),
+                                     policy=policy(H100_A, idle=1.0))
+    scaler = module.SlurmScaler(settings)
+    scaler.client = Client()
+
+    async def close():
+        closed.append(True)
+
+    scaler.jobs["h100-a-1"] = (H100_A, SimpleNamespace(job_id="7", close=close))
+    caplog.set_level(logging.WARNING, "dask_gpu.slurm")
+    asyncio.run(scaler.step())  # its worker joined
+    workers.clear()
+    squeue["7"] = ("COMPLETING", "None")  # scancel: the worker is gone, Slurm still lists the job
+    for _ in range(3):
+        decision = asyncio.run(scaler.step())
+        assert decision.cancel == [] and "h100-a-1" in scaler.jobs and not closed
+    del squeue["7"]
+    asyncio.run(scaler.step())
+    assert "h100-a-1" not in scaler.jobs and not closed
+    assert "worker job 7 (h100-a-1) ended outside the scaler: Slurm job 7: CANCELLED" in caplog.text
+    assert "gave back" not in caplog.text

@@ -31,8 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dask_gpu.errors import DaskGPUError
 from dask_gpu.scheduler.backlog import backlog_on_scheduler
 from dask_gpu.slurm.capacity import Capacity, GroupCapacity, PendingJob, publish_on_scheduler
-from dask_gpu.slurm.jobs import job_end, queue_states
+from dask_gpu.slurm.jobs import SETTLE_SECONDS, job_end, queue_states
 from dask_gpu.slurm.scaling import Plan, ScalingPolicy, Waiting, WorkerGroup, WorkerJob, plan
+
+LEFT_SECONDS = 2 * SETTLE_SECONDS  # a job whose worker left is Slurm's to end before the scaler gives it back
 
 logger = logging.getLogger("dask_gpu.slurm")
 
@@ -103,6 +105,7 @@ class SlurmScaler:
         self.jobs: dict[str, tuple[WorkerGroup, Any]] = {}  # worker name -> its group and SLURMJob
         self.joined: set[str] = set()  # names whose worker joined at least once
         self._idle_since: dict[str, float] = {}
+        self._left_since: dict[str, float] = {}  # names whose joined worker left while Slurm still lists the job
         self._numbers = itertools.count(1)
         self._stamp = f"{os.getpid():x}"
         self.client: Any = None
@@ -143,9 +146,18 @@ class SlurmScaler:
         views = []
         for name, (group, job) in self.jobs.items():
             worker = snap["workers"].get(name)
+            if worker is None and name in self.joined:
+                # Its worker left and Slurm still lists the job (COMPLETING after a scancel, a time limit): it is
+                # ending, not pending; Slurm's word ends it next (`_forget_ended`). Counted, offering nothing, and
+                # given back only if Slurm keeps it that way past LEFT_SECONDS.
+                left = now - self._left_since.setdefault(name, now)
+                views.append(WorkerJob(name=name, group=group.name, job_id=job.job_id, joined=True,
+                                       idle=left if left >= LEFT_SECONDS else None))
+                continue
             if worker is None:
                 views.append(WorkerJob(name=name, group=group.name, job_id=job.job_id))
                 continue
+            self._left_since.pop(name, None)
             self.joined.add(name)
             if worker["busy"]:
                 self._idle_since.pop(name, None)
@@ -162,6 +174,7 @@ class SlurmScaler:
                 await self._submit(self.groups[group_name], decision.backlog[group_name])
         for name in decision.cancel:
             why = (f"idle for {self.settings.policy.idle_seconds:g}s or more" if name in snap["workers"]
+                   else f"its worker left {LEFT_SECONDS:g}s ago or more and Slurm still lists it" if name in self.joined
                    else "still pending")
             await self._give_back(name, f"{why}, nothing waits for its group",
                                   address=snap["workers"].get(name, {}).get("address"))
@@ -232,6 +245,7 @@ class SlurmScaler:
     async def _give_back(self, name: str, why: str, address: str | None = None) -> None:
         group, job = self.jobs.pop(name)
         self._idle_since.pop(name, None)
+        self._left_since.pop(name, None)
         self.joined.discard(name)
         if address and self.client is not None:
             try:  # nothing is placed on it any more, whatever the queue decides meanwhile
@@ -253,6 +267,7 @@ class SlurmScaler:
                 continue
             group, _ = self.jobs.pop(name)
             self._idle_since.pop(name, None)
+            self._left_since.pop(name, None)
             self.joined.discard(name)
             end = await asyncio.to_thread(job_end, job_id)
             self.ended.append({"name": name, "group": group.name, **end.model_dump()})
