@@ -206,6 +206,10 @@ def test_a_callers_row_moves_with_a_settlement_or_not_at_all(ledger_url):
         acct = ledger.account("team-a", "2026-11")
         assert acct["pending"] == pytest.approx(0.0) and acct["posted"] == pytest.approx(0.1)
         assert [r.kind for r in ledger.records()] == ["warm-hold", "warm-idle"] and ledger.verify().ok
+        ledger.settle([], 0.1, kind="warm-idle", payload={}, **IDS,  # no holds (a budget of prices only)
+                      also=lambda conn: conn.execute(rows.insert().values(body="c", state="ended")))
+        with ledger.engine.connect() as conn:
+            assert conn.execute(sa.select(rows.c.state).where(rows.c.body == "c")).scalar_one() == "ended"
     finally:
         rows.drop(ledger.engine)
 

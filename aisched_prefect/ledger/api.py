@@ -209,7 +209,9 @@ class Ledger:
         """
         ids = _hold_ids(hold_ids)
         charges = _charges(actual)
-        if not ids:
+        if not ids:  # nothing to settle: the caller's rows are still written
+            if also is not None:
+                self._write(lambda w: also(w.conn))
             return [], None
         op = settle_op(ids, charges, kind, payload, _ids(flow_run_id, task_run_id, principal))
         if also is None:
