@@ -250,3 +250,25 @@ def test_a_forged_checkpoint_is_detected(ledger_url, tmp_path):
     ledger.checkpoint(theirs)  # signed by a key the auditor does not hold
     report = ledger.verify(mine.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
     assert not report.ok and "not signed by this key" in report.problem
+
+
+def test_the_authority_state_checks_a_long_log_a_batch_at_a_time(ledger_url, monkeypatch):
+    """A plane starting on a ledger of many records folds them a batch at a time (bounded memory), checks every one,
+    and stops at one edited in a later batch, as when it read them all at once."""
+    from aisched_prefect.control.authority import state as module
+    from aisched_prefect.ledger import evidence
+
+    monkeypatch.setattr(module, "READ_BATCH", 5)
+    ledger = Ledger(ledger_url)
+    first = ledger.records()[-1].seq if ledger.records() else 0
+    for i in range(12):
+        ledger.record("note", {"i": i}, **IDS)
+    state = module.AuthorityState(Ledger(ledger_url))
+    state.refresh()
+    assert state.broken is None and state._seen == first + 12
+    with ledger.engine.begin() as conn:
+        conn.execute(evidence.update().where(evidence.c.seq == first + 8).values(payload='{"i": 99}'))
+    again = module.AuthorityState(Ledger(ledger_url))
+    again.refresh()
+    assert again.broken is not None and f"record {first + 8} does not match its hash" in again.broken
+    assert again._seen == first + 7

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ logger = logging.getLogger("aisched_prefect.control")
 CONFIG_KINDS: dict[str, type] = {
     "authority": AuthorityBlock, "budget": BudgetBlock, "policy": ApprovalPolicyBlock, "cluster": ClusterBlock,
 }
+READ_BATCH = 5_000  # records read at a time when the authority state catches up with the log
 STATE_KINDS = ("credential-issued", "credential-revoked", "config-applied", "delegation", "revocation")
 
 
@@ -161,15 +163,15 @@ class AuthorityState:
             with self.ledger.reader.connect() as conn:
                 # The head first: every record up to it was committed with it, so a shorter log was truncated.
                 head = conn.execute(sa.select(chain_head.c.seq, chain_head.c.hash)).first()
-                rows = conn.execute(sa.select(evidence).where(evidence.c.seq > seen).order_by(evidence.c.seq)).all()
-            last = rows[-1].seq if rows else seen
+                last = conn.execute(sa.select(sa.func.max(evidence.c.seq)).where(evidence.c.seq > seen)).scalar()
+            last = seen if last is None else last
             if head is not None and head.seq > last:
                 self.broken = f"the log ends at record {last} but its head says {head.seq}: truncated"
                 logger.critical("the evidence log is broken: %s; admitting nothing until it is restored", self.broken)
                 return old
             snap: Snapshot | None = None
             prev = self._hash
-            for row in rows:
+            for row in self._rows_after(seen, last):
                 record = EvidenceRecord.model_construct(**row._mapping)
                 why = self._problem(record, seen, prev)
                 if why is not None:
@@ -190,6 +192,18 @@ class AuthorityState:
             if snap is not None:
                 self._snap = snap
             return self._snap
+
+    def _rows_after(self, seen: int, last: int) -> Iterator[Any]:
+        """The records after `seen` up to `last`, READ_BATCH at a time: a plane starting on a ledger of millions of
+        records checks them all, holding a batch in memory, not the log."""
+        while seen < last:
+            with self.ledger.reader.connect() as conn:
+                rows = conn.execute(sa.select(evidence).where((evidence.c.seq > seen) & (evidence.c.seq <= last))
+                                    .order_by(evidence.c.seq).limit(READ_BATCH)).all()
+            if not rows:
+                return
+            yield from rows
+            seen = rows[-1].seq
 
     def _problem(self, r: EvidenceRecord, last_seq: int, last_hash: str) -> str | None:
         if r.seq != last_seq + 1 or r.prev_hash != last_hash:
