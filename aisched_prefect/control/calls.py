@@ -88,6 +88,22 @@ def insert_new(conn: Any, table: sa.Table, values: dict[str, Any]) -> bool:
     return conn.execute(insert(table).values(values).on_conflict_do_nothing().returning(key)).first() is not None
 
 
+def _first_filed(conn: Any, table: sa.Table, column: Any, value: str, principal: str) -> str:
+    """The principal `value` is filed under in `table`: `principal` if this transaction files it first."""
+    if insert_new(conn, table, {column.name: value, "principal": principal}):
+        return principal
+    return conn.execute(sa.select(table.c.principal).where(column == value)).scalar_one()
+
+
+def _task_key(task_run_id: str) -> str:
+    return f"task:{task_run_id}"
+
+
+def _not_callers_task_run(task_run_id: str) -> Unauthorized:
+    return Unauthorized(f"task run {task_run_id} belongs to another principal: a flow files its calls under its own "
+                        "task runs", 403)
+
+
 def _caller(who: str) -> str:
     return hashlib.sha256(who.encode()).hexdigest()[:24]
 
@@ -223,10 +239,7 @@ class CallBook:
         known = self._owners.get(flow_run_id)
         if known is not None:
             return known
-        if len(self._owners) > 10_000:
-            self._owners.clear()
-        self._owners[flow_run_id] = owner = self._owner(flow_run_id, principal)
-        return owner
+        return self._remember(flow_run_id, self._owner(flow_run_id, principal))
 
     def owner_of(self, flow_run_id: str) -> str | None:
         """Who made calls under this flow run, or None."""
@@ -239,33 +252,36 @@ class CallBook:
     def task_owner(self, task_run_id: str, principal: str) -> str:
         """The caller a task run id belongs to: the first to call under it (the ids are readable in Prefect, so
         another tenant can send one). The caller of this refuses a call under a task run another principal used."""
-        key = f"task:{task_run_id}"
-        known = self._owners.get(key)
+        known = self._owners.get(_task_key(task_run_id))
         if known is not None:
             return known
+        return self._remember(_task_key(task_run_id),
+                              self._first(task_runs, task_runs.c.task_run_id, task_run_id, principal))
+
+    def _remember(self, key: str, owner: str) -> str:
+        """Keep who a flow run or task run belongs to (a bounded cache: it never changes once filed)."""
         if len(self._owners) > 10_000:
             self._owners.clear()
-        self._owners[key] = owner = self._first(task_runs, task_runs.c.task_run_id, task_run_id, principal)
+        self._owners[key] = owner
         return owner
 
     def check_caller(self, flow_run_id: str, task_run_id: str, caller: str) -> None:
         """Refuse a call filed under a flow run or a task run another principal called under first: its evidence and
         its replies are that principal's."""
+        self._check_flow_run(flow_run_id, caller)
+        if self.task_owner(task_run_id, caller) != caller:
+            raise _not_callers_task_run(task_run_id)
+
+    def _check_flow_run(self, flow_run_id: str, caller: str) -> None:
         owner = self.owner(flow_run_id, caller)
         if owner != caller:
             raise Unauthorized(f"flow run {flow_run_id} belongs to {owner!r}: a flow files its calls under its own flow "
                                "run", 403)
-        if self.task_owner(task_run_id, caller) != caller:
-            raise Unauthorized(f"task run {task_run_id} belongs to another principal: a flow files its calls under its "
-                               "own task runs", 403)
 
     def _first(self, table: sa.Table, column: Any, value: str, principal: str) -> str:
         """The principal of `value` in `table`: `principal`, if this call is the first to file it (group-committed
         with other runs' writes: a .map()'s shards file thousands of them)."""
-        if self.ledger.write(lambda conn: insert_new(conn, table, {column.name: value, "principal": principal})):
-            return principal
-        with self.ledger.reader.connect() as conn:
-            return conn.execute(sa.select(table.c.principal).where(column == value)).scalar_one()
+        return self.ledger.write(lambda conn: _first_filed(conn, table, column, value, principal))
 
     def _owner(self, flow_run_id: str, principal: str) -> str:
         return self._first(flow_runs, flow_runs.c.flow_run_id, flow_run_id, principal)
@@ -288,31 +304,19 @@ class CallBook:
     def check_and_claim(self, flow_run_id: str, task_run_id: str, caller: str, key: str) -> tuple[Claim, Any]:
         """`check_caller`, then `claim`, in one write for a task run seen first (each shard of a .map() is one): its
         owner filed and the call claimed in the same transaction, the claim only if the task run is the caller's."""
-        owner = self.owner(flow_run_id, caller)
-        if owner != caller:
-            raise Unauthorized(f"flow run {flow_run_id} belongs to {owner!r}: a flow files its calls under its own flow "
-                               "run", 403)
-        task_key = f"task:{task_run_id}"
-        if task_key in self._owners:
+        if _task_key(task_run_id) in self._owners:
             self.check_caller(flow_run_id, task_run_id, caller)
             return self.claim(key)
+        self._check_flow_run(flow_run_id, caller)
         row = self._new_row(key)
 
         def op(conn: Any) -> tuple[str, bool]:
-            if not insert_new(conn, task_runs, {"task_run_id": task_run_id, "principal": caller}):
-                first = conn.execute(sa.select(task_runs.c.principal)
-                                     .where(task_runs.c.task_run_id == task_run_id)).scalar_one()
-                if first != caller:
-                    return first, False
-            return caller, insert_new(conn, calls, row)
+            first = _first_filed(conn, task_runs, task_runs.c.task_run_id, task_run_id, caller)
+            return first, first == caller and insert_new(conn, calls, row)
 
         first, new = self.ledger.write(op)
-        if len(self._owners) > 10_000:
-            self._owners.clear()
-        self._owners[task_key] = first
-        if first != caller:
-            raise Unauthorized(f"task run {task_run_id} belongs to another principal: a flow files its calls under its "
-                               "own task runs", 403)
+        if self._remember(_task_key(task_run_id), first) != caller:
+            raise _not_callers_task_run(task_run_id)
         return ("new", None) if new else self._claimed(key)
 
     def _claimed(self, key: str) -> tuple[Claim, Any]:
