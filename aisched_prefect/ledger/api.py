@@ -61,6 +61,16 @@ def _charges(actual: object) -> int | dict[str, int] | None:
     return femtos(check_amount("actual", actual, fix=fix))
 
 
+def _and_then(op: Callable[[WriteBatch], Any], then: Callable[[WriteBatch, Any], None]) -> Callable[[WriteBatch], Any]:
+    """`op`, then the caller's own writes given its result, in the same transaction; `op`'s result."""
+    def both(w: WriteBatch) -> Any:
+        done = op(w)
+        then(w, done)
+        return done
+
+    return both
+
+
 class Ledger:
     """Budget holds, versioned limits and the evidence chain over one SQLAlchemy engine."""
 
@@ -180,15 +190,7 @@ class Ledger:
         checked = checked_lines(lines, amount)
         lease = self.lease_seconds if lease_seconds is None else check_lease(lease_seconds)
         op = reserve_op(checked, lease, kind, payload, _ids(flow_run_id, task_run_id, principal))
-        if also is None:
-            return self._write(op)
-
-        def op_and_also(w: WriteBatch) -> tuple[list[Hold], EvidenceRecord]:
-            held, record = op(w)
-            also(w.conn, held, record)
-            return held, record
-
-        return self._write(op_and_also)
+        return self._write(op if also is None else _and_then(op, lambda w, done: also(w.conn, *done)))
 
     def settle(self, hold_ids: list[str], actual: float | dict[str, float] | None, *, kind: str, payload: dict[str, Any],
                flow_run_id: str | None, task_run_id: str | None,
@@ -214,15 +216,7 @@ class Ledger:
                 self._write(lambda w: also(w.conn))
             return [], None
         op = settle_op(ids, charges, kind, payload, _ids(flow_run_id, task_run_id, principal))
-        if also is None:
-            return self._write(op)
-
-        def op_and_also(w: WriteBatch) -> tuple[list[Settlement], EvidenceRecord | None]:
-            done = op(w)
-            also(w.conn)
-            return done
-
-        return self._write(op_and_also)
+        return self._write(op if also is None else _and_then(op, lambda w, _: also(w.conn)))
 
     def renew(self, hold_ids: list[str], lease_seconds: float | None = None) -> set[str]:
         """Extend the lease of the holds' groups that have not run out; returns the hold ids renewed."""
