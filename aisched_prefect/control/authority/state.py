@@ -11,6 +11,7 @@ exist, and what the chain holds cannot be removed without breaking it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import threading
@@ -130,6 +131,14 @@ class Snapshot:
         return [*idx.by_principal.get(principal, []), *(mine[g] for g in ids if g in mine)]
 
 
+def _after(seen: int, last: int | None = None) -> sa.Select:
+    """The next READ_BATCH records after record `seen` (up to `last`), in order."""
+    query = sa.select(evidence).where(evidence.c.seq > seen)
+    if last is not None:
+        query = query.where(evidence.c.seq <= last)
+    return query.order_by(evidence.c.seq).limit(READ_BATCH)
+
+
 class AuthorityState:
     """The folded chain. `refresh()` reads only records appended since the last call, and checks each one.
 
@@ -163,15 +172,16 @@ class AuthorityState:
             with self.ledger.reader.connect() as conn:
                 # The head first: every record up to it was committed with it, so a shorter log was truncated.
                 head = conn.execute(sa.select(chain_head.c.seq, chain_head.c.hash)).first()
-                last = conn.execute(sa.select(sa.func.max(evidence.c.seq)).where(evidence.c.seq > seen)).scalar()
-            last = seen if last is None else last
+                rows = conn.execute(_after(seen)).all()  # an admission's refresh: all there is, in one read
+                last = (rows[-1].seq if rows else seen) if len(rows) < READ_BATCH else \
+                    conn.execute(sa.select(sa.func.max(evidence.c.seq))).scalar()
             if head is not None and head.seq > last:
                 self.broken = f"the log ends at record {last} but its head says {head.seq}: truncated"
                 logger.critical("the evidence log is broken: %s; admitting nothing until it is restored", self.broken)
                 return old
             snap: Snapshot | None = None
             prev = self._hash
-            for row in self._rows_after(seen, last):
+            for row in itertools.chain(rows, self._rows_after(rows[-1].seq if rows else seen, last)):
                 record = EvidenceRecord.model_construct(**row._mapping)
                 why = self._problem(record, seen, prev)
                 if why is not None:
@@ -198,8 +208,7 @@ class AuthorityState:
         records checks them all, holding a batch in memory, not the log."""
         while seen < last:
             with self.ledger.reader.connect() as conn:
-                rows = conn.execute(sa.select(evidence).where((evidence.c.seq > seen) & (evidence.c.seq <= last))
-                                    .order_by(evidence.c.seq).limit(READ_BATCH)).all()
+                rows = conn.execute(_after(seen, last)).all()
             if not rows:
                 return
             yield from rows
