@@ -190,8 +190,8 @@ def _plan_line(plan: dict[str, Any]) -> str:
     """
     declared, factor, planned = plan.get("declared", 0.0), plan.get("factor", 1.0), plan.get("planned", 0.0)
     if "no_limit_plan" in plan:
-        return (f"no time limit: planned as {planned:.0f} s, the no_limit_plan of the queue (estimate {declared:.0f} s x "
-                f"{factor:.3g} tenant history)")
+        return (f"no time limit: planned as {planned:.0f} s, the no_limit_plan of the queue "
+                f"(estimate {declared:.0f} s x {factor:.3g} tenant history)")
     if factor <= 1.0:
         return f"estimate {declared:.0f} s planned as declared (x 1: the tenant has not overrun its estimates)"
     return f"estimate {declared:.0f} s x {factor:.3g} (tenant history) = {planned:.0f} s planned"

@@ -84,4 +84,5 @@ class PolicyConfig(BaseModel):
     def build(self, weights: dict[str, float] | None = None) -> FinishTimeFair:
         """The policy these settings describe."""
         return FinishTimeFair(weights=weights, time_limits=self.limits(), **self.model_dump(
-            exclude={"batch_events", "over_time", "kill_wait", "no_limit_premium", "no_limit_plan", "learn_down"}), learn_down=self.learn_down)
+            exclude={"batch_events", "over_time", "kill_wait", "no_limit_premium", "no_limit_plan", "learn_down"}),
+            learn_down=self.learn_down)

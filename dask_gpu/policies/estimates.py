@@ -85,7 +85,8 @@ class Estimates:
             return job
         f = self.factor(job.tenant)  # new, or entered again as declared (a preempted run's client): planned now
         if f <= 1.0 and self.down != "off" and self.limits is not None and not (job.no_limit or job.requeue):
-            f = self.typical(job.tenant, job.estimate)  # a limit caps how far under the plan it can run: planned on what it takes
+            # a limit caps how far under the plan it can run: planned on what it takes
+            f = self.typical(job.tenant, job.estimate)
         estimate = self._capped(job, job.estimate * f)
         planned = dataclasses.replace(job, estimate=estimate) if estimate != job.estimate else job
         self.view[job.id] = (planned, job.estimate)
