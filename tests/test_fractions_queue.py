@@ -118,19 +118,25 @@ def test_fractions_start_on_idle_devices_while_training_holds_another_host(clust
 def test_aisched_workers_shows_what_each_device_holds_while_a_task_runs(cluster, tmp_path):
     t = tenant(cluster.plane)
     marker = tmp_path / "training-started"
+    looked = tmp_path / "looked"  # the task runs until both views were taken (not for a time a busy host outlasts)
+    looked.mkdir()
     seen: dict = {}
 
     def look() -> None:
-        deadline = time.time() + 60
-        while not marker.exists() and time.time() < deadline:
-            time.sleep(0.05)
-        args = ["--control-plane", cluster.plane.url, "--token-file", str(cluster.home / "operator.token")]
-        seen["json"] = CliRunner().invoke(app, ["workers", "--json", *args])
-        seen["table"] = CliRunner().invoke(app, ["workers", *args], env={"COLUMNS": "250"})
+        try:
+            deadline = time.time() + 60
+            while not marker.exists() and time.time() < deadline:
+                time.sleep(0.05)
+            args = ["--control-plane", cluster.plane.url, "--token-file", str(cluster.home / "operator.token")]
+            seen["json"] = CliRunner().invoke(app, ["workers", "--json", *args])
+            seen["table"] = CliRunner().invoke(app, ["workers", *args], env={"COLUMNS": "250"})
+        finally:
+            for i in range(6):  # what train waits for (at most 60 s)
+                (looked / str(i)).write_text("looked")
 
     @flow(task_runner=t.runner())
     def nightly():
-        return train(str(marker), 4.0)
+        return train(str(marker), 0.0, str(looked))
 
     looker = threading.Thread(target=look)
     looker.start()
