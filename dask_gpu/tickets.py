@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import json
 import os
 import time
@@ -195,6 +196,8 @@ class TicketRegistry(SchedulerPlugin):
     def __init__(self) -> None:
         # The scheduler's event loop is the only caller of everything below: no lock.
         self._used: dict[tuple[str, int], float] = {}
+        self._expiry: list[tuple[float, str, int]] = []  # (expires_at, ticket, member) of each redemption: a heap
+        self._live: dict[str, int] = {}  # ticket -> its members redeemed and not expired
         self._where: dict[tuple[str, int], dict[str, Any]] = {}  # (ticket, member) -> key, worker, name, devices
         self._refused: dict[str, list[dict[str, Any]]] = {}  # ticket -> attempts refused after the first
         self._gangs: dict[str, dict[str, Any]] = {}  # ticket -> members met so far, and the event all wait on
@@ -218,12 +221,20 @@ class TicketRegistry(SchedulerPlugin):
             self._names[worker] = str(ws.name)
 
     def _prune(self, now: float) -> None:
-        if len(self._used) > 1024:
-            self._used = {k: v for k, v in self._used.items() if v > now}
-            self._where = {k: v for k, v in self._where.items() if k in self._used}
-            live = {t for t, _ in self._used}
-            self._refused = {k: v for k, v in self._refused.items() if k in live}
-            self._gangs = {k: v for k, v in self._gangs.items() if k in live}
+        """Forget redemptions whose ticket expired (a worker refuses an expired ticket itself): the earliest first,
+        off a heap, so a redemption costs the ones that expired since the last, not one look at each of the
+        thousands a map's shards still hold."""
+        while self._expiry and self._expiry[0][0] <= now:
+            _, id, member = heapq.heappop(self._expiry)
+            self._used.pop((id, member), None)
+            self._where.pop((id, member), None)
+            left = self._live.get(id, 1) - 1
+            if left > 0:
+                self._live[id] = left
+                continue
+            self._live.pop(id, None)
+            self._refused.pop(id, None)
+            self._gangs.pop(id, None)
 
     def redeem(self, id: str, expires_at: float, member: int = 0, hosts: int = 1, worker: str = "",
                key: str = "") -> bool:
@@ -232,8 +243,12 @@ class TicketRegistry(SchedulerPlugin):
         if (id, member) in self._used or not 0 <= member < max(hosts, 1):
             self._refused.setdefault(id, []).append({"member": member, "worker": worker, "key": key,
                                                      "name": self._names.get(worker, worker), "at": now})
+            if id not in self._live:  # none of its members holds it: forgotten when the ticket expires
+                heapq.heappush(self._expiry, (max(expires_at, now), id, -1))
             return False
         self._used[(id, member)] = expires_at
+        heapq.heappush(self._expiry, (expires_at, id, member))
+        self._live[id] = self._live.get(id, 0) + 1
         self._where[(id, member)] = {"member": member, "worker": worker, "name": self._names.get(worker, worker),
                                      "key": key, "devices": [], "host": ""}
         return True

@@ -88,3 +88,30 @@ def test_runs_redeeming_at_once_in_many_threads_each_run_once():
     for th in threads:
         th.join()
     assert outcomes.count("ran") == len(tickets) and outcomes.count("refused") == 7 * len(tickets)
+
+
+def test_the_schedulers_registry_refuses_a_second_redemption_and_forgets_each_ticket_when_it_expires(monkeypatch):
+    """The registry forgets a redemption as its ticket expires, earliest first, whatever else it holds: a map of
+    10,000 shards keeps that many unexpired tickets, and a redemption no longer looks at each of them (before, every
+    redemption past 1,024 rebuilt the registry's tables: the scheduler's largest cost a shard in a 5,000-shard map)."""
+    from dask_gpu.tickets import TicketRegistry
+
+    import dask_gpu.tickets
+
+    now = 1_000_000.0
+    clock = types.SimpleNamespace(time=lambda: now)
+    monkeypatch.setattr(dask_gpu.tickets, "time", clock)  # the registry's clock, moved by the test
+    registry = TicketRegistry()
+    assert registry.redeem("live", now + 600, member=0, hosts=2) and registry.redeem("live", now + 600, member=1, hosts=2)
+    assert not registry.redeem("live", now + 600, member=1, hosts=2)  # twice: refused, and the refusal kept
+    assert registry.redeem("soon", now + 0.05, worker="w1")
+    assert not registry.redeem("soon", now + 0.05, worker="w2")
+    assert not registry.redeem("never", now + 0.05, member=3, hosts=1)  # no such member: refused, nothing redeemed
+    assert [m["member"] for m in registry.where("live")["members"]] == [0, 1]
+    assert [r["worker"] for r in registry.where("soon")["refused"]] == ["w2"]
+    now += 1  # past the short tickets' expiry
+    assert registry.redeem("next", now + 600)  # a redemption forgets what expired before it
+    assert registry.where("soon") == {"members": [], "refused": []} and registry.where("never")["refused"] == []
+    assert len(registry.where("live")["members"]) == 2 and len(registry.where("live")["refused"]) == 1
+    assert set(registry._used) == {("live", 0), ("live", 1), ("next", 0)}
+    assert not registry.redeem("live", now + 600, member=0, hosts=2)  # still refused while it lives
