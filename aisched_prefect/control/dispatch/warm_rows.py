@@ -36,17 +36,31 @@ class IdleRow:
     idle_since: float  # the plane's clock (time.time())
 
 
+_UPSERTS: dict[tuple[str, tuple[str, ...], bool], Any] = {}  # built once per (dialect, columns, later_only)
+
+
 def _upsert(conn: Any, values: dict[str, Any], later_only: bool = False) -> None:
     """Write a body's one row. `later_only`: never over a later idle period's (two runs of one body settle on two
-    threads, and the earlier period's row written last would hide the later one from a restarted plane's books)."""
-    if conn.dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    stmt = insert(table).values(values)
-    conn.execute(stmt.on_conflict_do_update(index_elements=[table.c.body],
-                                            set_={k: stmt.excluded[k] for k in values if k not in ("body", "started_at")},
-                                            where=(table.c.runs <= stmt.excluded.runs) if later_only else None))
+    threads, and the earlier period's row written last would hide the later one from a restarted plane's books).
+    The statement is built once and run with each row's values: building it per row cost a sixth of the plane's
+    CPU in a map of warm shards (one idle period a shard)."""
+    dialect, columns = conn.dialect.name, tuple(values)
+    stmt = _UPSERTS.get((dialect, columns, later_only))
+    if stmt is None:
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        new = insert(table)
+        stmt = new.on_conflict_do_update(index_elements=[table.c.body],
+                                         set_={k: new.excluded[k] for k in columns if k not in ("body", "started_at")},
+                                         where=(table.c.runs <= new.excluded.runs) if later_only else None)
+        _UPSERTS[(dialect, columns, later_only)] = stmt
+    conn.execute(stmt, values)
+
+
+_LEAVE_IDLE = (table.update().where((table.c.body == sa.bindparam("b_body")) & (table.c.runs == sa.bindparam("b_runs"))
+                                    & (table.c.state == "idle")))
 
 
 class BodyRows:
@@ -100,8 +114,7 @@ class BodyRows:
                                   {"state": "ended", "ended_at": at, "ended_why": why[:2000], "updated_at": time.time()})
 
         def op(conn: Any) -> bool:
-            done = conn.execute(table.update().where((table.c.body == body) & (table.c.runs == runs)
-                                                     & (table.c.state == "idle")).values(values))
+            done = conn.execute(_LEAVE_IDLE, {"b_body": body, "b_runs": runs, **values})
             return bool(done.rowcount)
 
         return op
