@@ -22,6 +22,7 @@ The HTTP app (app.py) is a thin shell that calls the part owning each act.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -51,6 +52,8 @@ from aisched_prefect.ledger import Ledger
 from aisched_prefect.settings import Settings
 from dask_gpu.tickets import TicketSigner
 
+logger = logging.getLogger("aisched_prefect.control")
+
 
 class ControlPlane:
     """Admission, dispatch, settlement, approvals, authority and evidence for every flow that calls it: the shared
@@ -77,6 +80,7 @@ class ControlPlane:
             self._stack.callback(self.ledger.close)
             self.state = AuthorityState(self.ledger, trusted=[self.signer.public_key])
             self.state.refresh()
+            self._stack.callback(self._mark)  # as it stops, after its last records: the next plane starts there
             self.client, self.cluster = connect(settings, self._stack, dask_address=dask_address, declared=declared,
                                                 dask_tls=dask_tls, trusted_key=self.public_key)
             install(self.client, self.state, queue=queue)
@@ -123,13 +127,22 @@ class ControlPlane:
             (settings.day_report_seconds, self.reports.publish_day_report),
             (min(settings.session_lease_seconds / 3, 5.0), self.outcomes.expire),
             (2.0, self.runs.refile),  # replies of runs that ended while the database was down
-            (settings.warm_reconcile_seconds, self.dispatcher.reconcile_warm)]  # warm bodies that ended unheard
+            (settings.warm_reconcile_seconds, self.dispatcher.reconcile_warm),  # warm bodies that ended unheard
+            (60.0, self._mark)]  # where a plane starting later begins checking the log (control.authority.marks)
         if self.checkpoint_dir is not None:
             chores.append((settings.checkpoint_seconds, self.reports.checkpoint_if_moved))
         if self.queue:  # a scheduler that restarted (its queue installed afresh by its preload) gets the weights back
             chores.append((settings.queue_sync_seconds, self.scheduler.set_queue_weights))
         chores.append((1.0, self.scheduler.watch))
         return chores
+
+    def _mark(self) -> None:
+        """An authority mark, once enough records were checked since the last (never raises: a plane without one
+        checks more of the log as it starts)."""
+        try:
+            self.state.mark()
+        except Exception as exc:  # noqa: BLE001 - the ledger is out: the next chore tries again
+            logger.warning("could not write an authority mark: %s", exc)
 
     def close(self) -> None:
         self._stack.close()

@@ -22,6 +22,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from aisched_prefect.control.authority import records
+from aisched_prefect.control.authority.marks import (
+    MARK_EVERY, MARK_KIND, Mark, StateDigest, authority_rows_through, intact, latest_mark)
 from aisched_prefect.control.authority.identity import Credential
 from aisched_prefect.evidence import GENESIS, EvidenceRecord, canonical, chain_hash, record_signed
 from aisched_prefect.ledger import Ledger, chain_head, evidence
@@ -155,6 +157,8 @@ class AuthorityState:
         self._snap = Snapshot(seq=0)
         self._hash = GENESIS
         self._seen = 0  # the last record checked (of any kind); the snapshot's seq is its last authority record
+        self._digest = StateDigest()  # of the authority records folded so far (what a mark signs)
+        self.marked_through = 0  # the `through` of the newest mark this state started from or wrote
         self.broken: str | None = None
 
     @property
@@ -168,6 +172,9 @@ class AuthorityState:
             old = self._snap
             if self.broken is not None:
                 return old
+            if self._seen == 0 and self.trusted:
+                self._start_from_mark()
+                old = self._snap
             seen = self._seen
             with self.ledger.reader.connect() as conn:
                 # The head first: every record up to it was committed with it, so a shorter log was truncated.
@@ -189,6 +196,7 @@ class AuthorityState:
                     logger.critical("the evidence log is broken: %s; admitting nothing until it is restored", why)
                     break
                 if record.kind in STATE_KINDS:
+                    self._digest.add(record.seq, record.hash)
                     if snap is None:
                         snap = Snapshot(seq=old.seq, credentials=dict(old.credentials), configs=dict(old.configs),
                                         delegated=dict(old.delegated),
@@ -202,6 +210,43 @@ class AuthorityState:
             if snap is not None:
                 self._snap = snap
             return self._snap
+
+    def _start_from_mark(self) -> None:
+        """Start from the newest mark a trusted key signed, when the authority records up to it make its digest
+        (control.authority.marks); else from the first record, as before. Called with the lock held."""
+        with self.ledger.reader.connect() as conn:
+            mark = latest_mark(conn, self.trusted)
+            rows = authority_rows_through(conn, STATE_KINDS, mark.through) if mark is not None else []
+        if mark is None:
+            return
+        digest, snap = StateDigest(), Snapshot(seq=0)
+        for row in rows:
+            record = EvidenceRecord.model_construct(**row._mapping)
+            if not intact(record) or not record_signed(record, self.trusted):
+                break
+            digest.add(record.seq, record.hash)
+            payload = record.payload if isinstance(record.payload, dict) else json.loads(record.payload)
+            _fold(snap, record.seq, record.kind, payload)
+            snap.seq = record.seq
+        if (digest.count, digest.hexdigest()) != (mark.state_records, mark.state_digest):
+            logger.warning("the authority mark through record %d does not match the authority records before it; "
+                           "checking the whole evidence log", mark.through)
+            return
+        self._snap, self._digest, self._seen, self._hash = snap, digest, mark.through, mark.through_hash
+        self.marked_through = mark.through
+
+    def mark(self) -> Mark | None:
+        """Write a mark through the last record checked, when MARK_EVERY records were checked since the last one
+        (a plane starting later reads only the authority records before it); the mark written, or None."""
+        self.refresh()
+        with self._lock:
+            if self.broken is not None or not self.trusted or self._seen - self.marked_through < MARK_EVERY:
+                return None
+            mark = Mark(through=self._seen, through_hash=self._hash, state_records=self._digest.count,
+                        state_digest=self._digest.hexdigest())
+            self.ledger.record(MARK_KIND, mark.model_dump())
+            self.marked_through = mark.through
+        return mark
 
     def _rows_after(self, seen: int, last: int) -> Iterator[Any]:
         """The records after `seen` up to `last`, READ_BATCH at a time: a plane starting on a ledger of millions of
