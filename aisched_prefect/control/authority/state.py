@@ -244,8 +244,9 @@ class AuthorityState:
                 return None
             mark = Mark(through=self._seen, through_hash=self._hash, state_records=self._digest.count,
                         state_digest=self._digest.hexdigest())
-            self.ledger.record(MARK_KIND, mark.model_dump())
-            self.marked_through = mark.through
+        self.ledger.record(MARK_KIND, mark.model_dump())  # outside the lock: a slow ledger holds up no admission
+        with self._lock:
+            self.marked_through = max(self.marked_through, mark.through)
         return mark
 
     def _rows_after(self, seen: int, last: int) -> Iterator[Any]:
