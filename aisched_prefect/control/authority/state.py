@@ -25,7 +25,7 @@ from aisched_prefect.control.authority import records
 from aisched_prefect.control.authority.marks import (
     MARK_EVERY, MARK_KIND, Mark, StateDigest, authority_rows_through, intact, latest_mark)
 from aisched_prefect.control.authority.identity import Credential
-from aisched_prefect.evidence import GENESIS, EvidenceRecord, canonical, chain_hash, record_signed
+from aisched_prefect.evidence import GENESIS, EvidenceRecord, record_signed
 from aisched_prefect.ledger import Ledger, chain_head, evidence
 from blocks import ApprovalPolicyBlock, AuthorityBlock, BudgetBlock, ClusterBlock, Grant
 
@@ -263,8 +263,7 @@ class AuthorityState:
     def _problem(self, r: EvidenceRecord, last_seq: int, last_hash: str) -> str | None:
         if r.seq != last_seq + 1 or r.prev_hash != last_hash:
             return f"record {r.seq} does not follow record {last_seq}: deleted, reordered or rewritten"
-        if chain_hash(last_hash, canonical(r.seq, r.ts, r.kind, r.flow_run_id, r.task_run_id, r.principal,
-                                           r.payload)) != r.hash:
+        if not intact(r):  # (its prev_hash is last_hash: checked above)
             return f"record {r.seq} does not match its hash: edited"
         if self.trusted and r.kind in STATE_KINDS and not record_signed(r, self.trusted):
             return f"record {r.seq} ({r.kind}) is not signed by this control plane's key: written by someone else"
