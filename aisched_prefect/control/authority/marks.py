@@ -11,8 +11,13 @@ plane that trusts the mark's key starts there: it reads only the authority recor
 kind and seq), checks each one's own hash and signature and that together they make the mark's digest (a deleted,
 added, edited or reordered authority record changes it), folds them, and checks every record after `through` as
 before (each follows the one before it from the mark's hash on). The records between that are not authority
-(holds, settlements, runs) are not read again at start: `aisched evidence verify` checks the whole chain. A mark
-whose digest does not match is not used: the plane checks the whole log, as before, and finds what broke it.
+(holds, settlements, runs) are not read again at start: `aisched evidence verify` checks the whole chain.
+
+A signed mark whose authority records are not as it says breaks the fold (the plane admits nothing), as a broken
+chain does: an honest plane marks only what it checked, so the records changed after it was written. Falling back to
+the whole log would be weaker than the mark: a record's signature does not cover the hash before it, so a log whose
+non-authority records were rewritten around a deleted revocation can check whole again, while the mark's digest
+still names the revocation. A mark written over other authority kinds (another version) is not used.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class Mark(BaseModel):
     through_hash: str
     state_records: int
     state_digest: str
+    kinds: list[str]
+    """The kinds of record the digest covers (a plane whose authority kinds differ does not use the mark)."""
 
 
 class StateDigest:
@@ -56,26 +63,40 @@ class StateDigest:
         return self._h.hexdigest()
 
 
-def latest_mark(conn: Any, trusted: list[bytes]) -> Mark | None:
-    """The newest mark this plane can start from: its own hash right and signed by a trusted key (else None)."""
-    row = conn.execute(sa.select(evidence).where(evidence.c.kind == MARK_KIND)
-                       .order_by(evidence.c.seq.desc()).limit(1)).first()
-    if row is None or not trusted:
+LOOK_BACK = 8  # marks read, newest first, for one this plane can use (a forged one appended last hides none)
+
+
+def latest_mark(conn: Any, trusted: list[bytes], kinds: tuple[str, ...]) -> Mark | None:
+    """The newest mark this plane can start from: its own hash right, signed by a trusted key and over the same
+    authority kinds (else None: the whole log is checked)."""
+    if not trusted:
         return None
-    record = EvidenceRecord.model_construct(**row._mapping)
-    if not intact(record) or not record_signed(record, trusted):
-        return None
-    try:
-        mark = Mark.model_validate({k: v for k, v in record.payload.items() if k in Mark.model_fields})
-    except (ValueError, AttributeError):
-        return None
-    return mark if mark.through < record.seq else None
+    rows = conn.execute(sa.select(evidence).where(evidence.c.kind == MARK_KIND)
+                        .order_by(evidence.c.seq.desc()).limit(LOOK_BACK)).all()
+    for row in rows:
+        record = EvidenceRecord.model_construct(**row._mapping)
+        if not intact(record) or not record_signed(record, trusted):
+            continue
+        try:
+            mark = Mark.model_validate({k: v for k, v in record.payload.items() if k in Mark.model_fields})
+        except (ValueError, AttributeError):
+            continue
+        if mark.through < record.seq and tuple(mark.kinds) == tuple(kinds):
+            return mark
+    return None
 
 
 def intact(record: EvidenceRecord) -> bool:
-    """Whether a record's content still makes its hash (from the hash it says came before it)."""
-    return chain_hash(record.prev_hash, canonical(record.seq, record.ts, record.kind, record.flow_run_id,
-                                                  record.task_run_id, record.principal, record.payload)) == record.hash
+    """Whether a record's content still makes its hash (from the hash it says came before it). A row whose columns
+    are not of their types (written around the ledger) is not intact: it is no crash."""
+    if not (isinstance(record.prev_hash, str) and isinstance(record.hash, str) and isinstance(record.seq, int)):
+        return False
+    try:
+        body = canonical(record.seq, record.ts, record.kind, record.flow_run_id, record.task_run_id,
+                         record.principal, record.payload)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return chain_hash(record.prev_hash, body) == record.hash
 
 
 def authority_rows_through(conn: Any, kinds: tuple[str, ...], through: int) -> list[Any]:

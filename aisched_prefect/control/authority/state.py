@@ -175,6 +175,8 @@ class AuthorityState:
             if self._seen == 0 and self.trusted:
                 self._start_from_mark()
                 old = self._snap
+                if self.broken is not None:
+                    return old
             seen = self._seen
             with self.ledger.reader.connect() as conn:
                 # The head first: every record up to it was committed with it, so a shorter log was truncated.
@@ -183,8 +185,7 @@ class AuthorityState:
                 last = (rows[-1].seq if rows else seen) if len(rows) < READ_BATCH else \
                     conn.execute(sa.select(sa.func.max(evidence.c.seq))).scalar()
             if head is not None and head.seq > last:
-                self.broken = f"the log ends at record {last} but its head says {head.seq}: truncated"
-                logger.critical("the evidence log is broken: %s; admitting nothing until it is restored", self.broken)
+                self._break(f"the log ends at record {last} but its head says {head.seq}: truncated")
                 return old
             snap: Snapshot | None = None
             prev = self._hash
@@ -192,8 +193,7 @@ class AuthorityState:
                 record = EvidenceRecord.model_construct(**row._mapping)
                 why = self._problem(record, seen, prev)
                 if why is not None:
-                    self.broken = why
-                    logger.critical("the evidence log is broken: %s; admitting nothing until it is restored", why)
+                    self._break(why)
                     break
                 if record.kind in STATE_KINDS:
                     self._digest.add(record.seq, record.hash)
@@ -212,28 +212,35 @@ class AuthorityState:
             return self._snap
 
     def _start_from_mark(self) -> None:
-        """Start from the newest mark a trusted key signed, when the authority records up to it make its digest
-        (control.authority.marks); else from the first record, as before. Called with the lock held."""
+        """Start from the newest mark a trusted key signed (control.authority.marks); without one, from the first
+        record, as before. Every authority record up to the mark must be intact, signed, and together make its count
+        and digest: otherwise the fold is broken (`broken`), as a broken chain is. Called with the lock held."""
         with self.ledger.reader.connect() as conn:
-            mark = latest_mark(conn, self.trusted)
+            mark = latest_mark(conn, self.trusted, STATE_KINDS)
             rows = authority_rows_through(conn, STATE_KINDS, mark.through) if mark is not None else []
         if mark is None:
             return
         digest, snap = StateDigest(), Snapshot(seq=0)
         for row in rows:
             record = EvidenceRecord.model_construct(**row._mapping)
-            if not intact(record) or not record_signed(record, self.trusted):
-                break
+            if not intact(record):
+                return self._break(f"record {record.seq} ({record.kind}) does not match its hash: edited")
+            if not record_signed(record, self.trusted):
+                return self._break(f"record {record.seq} ({record.kind}) is not signed by this control plane's key: "
+                                   "written by someone else")
             digest.add(record.seq, record.hash)
             payload = record.payload if isinstance(record.payload, dict) else json.loads(record.payload)
             _fold(snap, record.seq, record.kind, payload)
             snap.seq = record.seq
         if (digest.count, digest.hexdigest()) != (mark.state_records, mark.state_digest):
-            logger.warning("the authority mark through record %d does not match the authority records before it; "
-                           "checking the whole evidence log", mark.through)
-            return
+            return self._break(f"the authority records up to record {mark.through} are not those its signed mark "
+                               f"names ({digest.count} of {mark.state_records}): deleted, added or rewritten")
         self._snap, self._digest, self._seen, self._hash = snap, digest, mark.through, mark.through_hash
         self.marked_through = mark.through
+
+    def _break(self, why: str) -> None:
+        self.broken = why
+        logger.critical("the evidence log is broken: %s; admitting nothing until it is restored", why)
 
     def mark(self) -> Mark | None:
         """Write a mark through the last record checked, when MARK_EVERY records were checked since the last one
@@ -243,7 +250,7 @@ class AuthorityState:
             if self.broken is not None or not self.trusted or self._seen - self.marked_through < MARK_EVERY:
                 return None
             mark = Mark(through=self._seen, through_hash=self._hash, state_records=self._digest.count,
-                        state_digest=self._digest.hexdigest())
+                        state_digest=self._digest.hexdigest(), kinds=list(STATE_KINDS))
         self.ledger.record(MARK_KIND, mark.model_dump())  # outside the lock: a slow ledger holds up no admission
         with self._lock:
             self.marked_through = max(self.marked_through, mark.through)
