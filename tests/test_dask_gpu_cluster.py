@@ -206,3 +206,32 @@ def test_the_suites_workers_keep_their_scratch_files_in_a_folder_of_the_suites_o
     assert ours != os.path.realpath(tempfile.gettempdir())
     where = dask_client.run(lambda dask_worker: os.path.realpath(dask_worker.local_directory))
     assert where and all(d.startswith(ours + os.sep) for d in where.values()), (ours, where)
+
+
+@pytest.mark.parametrize("scheduler_process", [False, True])
+def test_a_local_cluster_keeps_its_scratch_files_in_a_folder_of_its_own_and_removes_it(tmp_path, monkeypatch,
+                                                                                      scheduler_process):
+    """With no Dask `temporary-directory` set, Dask puts every server's scratch files in the host-wide
+    `dask-scratch-space` of the system's temporary directory, shared by every cluster and user there. A
+    LocalGPUCluster gives its workers and scheduler (in this process or its own) a folder of its own, and removes it
+    with everything in it when it closes."""
+    import os
+    import tempfile
+
+    import dask
+    from distributed import Client
+
+    from dask_gpu import LocalGPUCluster
+
+    monkeypatch.delenv("DASK_TEMPORARY_DIRECTORY", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where this process's folders are made: here
+    with dask.config.set({"temporary-directory": None}):
+        with LocalGPUCluster(declared="1 workers x 1 GPUs, 80 GB, H100", scheduler_process=scheduler_process) \
+                as cluster, Client(cluster) as client:
+            client.wait_for_workers(1, timeout=120)
+            workers = client.run(lambda dask_worker: os.path.realpath(dask_worker.local_directory))
+            scheduler = client.run_on_scheduler(lambda dask_scheduler: os.path.realpath(dask_scheduler.local_directory))
+            ours = os.path.realpath(tmp_path)
+            assert workers and all(d.startswith(ours + os.sep) for d in [*workers.values(), scheduler]), \
+                (ours, workers, scheduler)
+    assert os.listdir(tmp_path) == []  # nothing left behind: not the scratch folders, not the scheduler's file

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +50,10 @@ class SchedulerProcess(ProcessInterface):
                "--dashboard-address", f"{self.host}:0", "--scheduler-file", str(file),
                *(["--tls-dir", self.tls_dir] if self.tls_dir else ["--no-tls"])]
         with open(log, "wb") as out:
-            self.process = await asyncio.create_subprocess_exec(*cmd, stdout=out, stderr=out,
+            # Its scratch folder in its own folder too (Dask's default: /tmp/dask-scratch-space, one per host).
+            env = os.environ if os.environ.get("DASK_TEMPORARY_DIRECTORY") else \
+                {**os.environ, "DASK_TEMPORARY_DIRECTORY": self._dir}
+            self.process = await asyncio.create_subprocess_exec(*cmd, stdout=out, stderr=out, env=env,
                                                                 preexec_fn=_die_with_parent)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
@@ -73,6 +77,7 @@ class SchedulerProcess(ProcessInterface):
             except asyncio.TimeoutError:
                 self.process.kill()
                 await self.process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)  # its scheduler file and log: a folder of its own, not kept
         await super().close()
 
 
@@ -120,6 +125,9 @@ class LocalGPUCluster(SpecCluster):
     process of its own (`SchedulerProcess`; the embedded control plane does);
     by default it runs in this process, as Dask's LocalCluster's does. Either way
     its HTTP server answers `/health` only, on `host`.
+    Its workers and scheduler keep their scratch files in a folder of this
+    cluster's own, removed when it closes (unless dask's `temporary-directory`
+    is set: Dask's default is one folder per host, shared by every cluster).
     `tenant` is the one tenant an `unisolated` worker serves (required there:
     `isolation="unisolated"`, or `"auto"` where the workers cannot isolate,
     without it is refused here, as `dask-gpu-worker` refuses it).
@@ -164,6 +172,10 @@ class LocalGPUCluster(SpecCluster):
             else [(None, 0)]
         )
         workers: dict[str, dict[str, Any]] = {}
+        # The workers' scratch folder: one of this cluster's own, removed with it (Dask's default is one folder per
+        # host, /tmp/dask-scratch-space, shared by every cluster there), unless the operator set Dask's own.
+        self._scratch = None if dask.config.get("temporary-directory", default=None) else \
+            tempfile.mkdtemp(prefix="dask-gpu-local-")
         for i, (worker_spec, gpus) in enumerate(plan):
             env = {DECLARED_ENV: worker_spec} if worker_spec else {}
             if trusted_keys:
@@ -181,6 +193,7 @@ class LocalGPUCluster(SpecCluster):
                     "env": env,
                     "silence_logs": silence_logs,
                     "dashboard": False,
+                    **({"local_directory": self._scratch} if self._scratch else {}),
                     **protocol,
                 },
             }
@@ -190,6 +203,7 @@ class LocalGPUCluster(SpecCluster):
             # silently: the caller's retry policy decides, and each attempt is accounted.
             "options": {"host": host, "dashboard": False, "dashboard_address": f"{host}:0",
                         "allowed_failures": allowed_failures, "preload": [SCHEDULER_PRELOAD],
+                        **({"local_directory": self._scratch} if self._scratch else {}),
                         **({"protocol": "tls", "security": tls.security("scheduler")} if tls is not None else {})},
         }
         if scheduler_process:
@@ -201,6 +215,11 @@ class LocalGPUCluster(SpecCluster):
         if tls is not None:  # this object talks to its scheduler as the one client (the control plane that made it)
             kwargs["security"] = tls.security("client")
         super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs, **kwargs)
+
+    async def _close(self) -> None:
+        await super()._close()
+        if self._scratch:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 BROADCAST_SECONDS_KEY = "dask-gpu.broadcast-seconds"  # how long a worker may take to answer a broadcast
