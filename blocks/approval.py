@@ -123,5 +123,10 @@ policy = ApprovalPolicyBlock.load("BLOCK_NAME")
     def watches_flow_versions(self) -> bool:
         return any(rule.new_flow_version for rule in self.rules)
 
+    @property
+    def watches_hours(self) -> bool:
+        """A rule matches by the UTC hour: a decision under this policy holds only until the hour turns."""
+        return any(rule.hours_utc is not None for rule in self.rules)
+
     def evaluate(self, facts: RunFacts, now: datetime | None = None) -> ApprovalOutcome:
         return evaluate(self.rules, facts, self.timeout_seconds, now)
