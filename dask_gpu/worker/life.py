@@ -381,4 +381,4 @@ def free(life: Life) -> None:
     assert life.proc is not None
     if life.body.queue_key:
         life.plugin.devices_freed(life.body.queue_key, warm=life.proc.id if life.kept else None,
-                                  keep=life.ticket.keep_warm)
+                                  keep=life.ticket.keep_warm, task=life.key)

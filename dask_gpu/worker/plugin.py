@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_gpu.worker.allocator import DeviceAllocator
-from dask_gpu.worker.bodies import COLD_STREAM_OP, WARM_TOPIC, BodyPool, BodyProcess
+from dask_gpu.worker.bodies import WARM_TOPIC, BodyPool, BodyProcess
 from dask_gpu.worker.containment import body_cgroup, cgroups_unavailable
+from dask_gpu.worker.finish import QueueMessages
 from dask_gpu.inventory import WorkerInventory
 from dask_gpu.isolation import IsolationPlan, TenantGate, plan_for
 from dask_gpu.worker.live import DeviceState, sample
@@ -58,6 +59,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         self.results: DirectResults | None = None  # started at setup unless dask config dask-gpu.results says off
         self.bodies = BodyPool(self._end_body)
         self._warm_told: set[str] = set()  # warm bodies the cluster's queue counts: it is told when they end
+        self.queue = QueueMessages()  # what the cluster's queue is told: runs freed, warm bodies ended
         self._closing = threading.Event()
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dask-gpu-reaper")
 
@@ -109,21 +111,21 @@ class GPUWorkerPlugin(WorkerPlugin):
         with self._stops_lock:
             self._leases.pop(key, None)
 
-    def devices_freed(self, queue_key: str, warm: str | None = None, keep: float = 0.0) -> None:
+    def devices_freed(self, queue_key: str, warm: str | None = None, keep: float = 0.0,
+                      task: str | None = None) -> None:
         """Tell the cluster's queue (from a task's thread) that the body of its run `queue_key` ended here, or
-        (`warm`) that it waits, warm, for the next run of its key, holding its device share for `keep` seconds."""
+        (`warm`) that it waits, warm, for the next run of its key, holding its device share for `keep` seconds: as
+        Dask task `task` finishes here (dask_gpu.worker.finish)."""
         from dask_gpu.scheduler.queue import FREED_STREAM_OP
 
         if warm:
             self._warm_told.add(warm)
-        self._send({"op": FREED_STREAM_OP, "id": queue_key, **({"warm": warm, "keep": keep} if warm else {})})
+        self.queue.freed({"op": FREED_STREAM_OP, "id": queue_key, **({"warm": warm, "keep": keep} if warm else {})},
+                         task)
 
-    def _send(self, msg: dict[str, Any]) -> None:
-        """A message to the scheduler on the worker's batched stream (from any thread)."""
-        worker = getattr(self, "_worker", None)
-        stream = getattr(worker, "batched_stream", None)
-        if stream is not None:
-            worker.loop.add_callback(stream.send, msg)
+    def transition(self, key: str, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        """Dask's hook, on the worker's event loop, for every task's change of state."""
+        self.queue.transition(key, start, finish)
 
     def _end_body(self, body: BodyProcess, reason: str, idle: float) -> None:
         """End a body's process and everything it started; give back its devices; tell whoever counted it. Its
@@ -137,7 +139,7 @@ class GPUWorkerPlugin(WorkerPlugin):
             self.allocator.release(body.hold)
         if body.id in self._warm_told:  # the queue counts it as a warm body: its device share is free now
             self._warm_told.discard(body.id)
-            self._send({"op": COLD_STREAM_OP, "body": body.id})
+            self.queue.cold(body.id)
         if body.runs and body.idle_since is not None:  # it waited warm: the control plane charges that idle time
             worker = getattr(self, "_worker", None)
             if worker is not None:
@@ -249,6 +251,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         self.worker_address = worker.address
         self.worker_name = str(worker.name)
         self._worker = worker
+        self.queue.attach(worker)
         _stop_frame_sampler(worker)
         self._isolate(worker)
         self._decide_cgroups()
