@@ -19,6 +19,10 @@ class DeviceUnavailable(DaskGPUError):
     """A worker could not give a task the devices Dask admitted it for."""
 
 
+class MessageTooLarge(DaskGPUError, ValueError):
+    """A peer announced a message larger than it may send (a body's result past its own memory bound)."""
+
+
 class NotOnGPUWorker(DaskGPUError):
     """Code that needs a GPU-aware worker ran somewhere else."""
 

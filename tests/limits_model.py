@@ -37,3 +37,20 @@ def fork_bomb(pids_file: str) -> int:
 @ai_task(gpus=0.25, kind="training", est_seconds=60)
 def steady(x: int) -> int:
     return x * 2
+
+
+@ai_task(gpus=0.25, kind="training", est_seconds=60)
+def flood(megabytes: int) -> int:
+    """As a hostile body would: finds the socket its result goes back on and streams `megabytes` down it, announced as
+    one message, a MiB at a time (its own memory stays small: only the worker would hold it all)."""
+    import gc
+    import socket
+    import struct
+
+    chunk = b"x" * 2**20
+    for sock in [o for o in gc.get_objects() if isinstance(o, socket.socket)]:
+        if sock.family == socket.AF_UNIX and sock.fileno() >= 0:
+            sock.sendall(struct.pack(">Q", megabytes * 2**20))
+            for _ in range(megabytes):
+                sock.sendall(chunk)
+    return 0

@@ -18,7 +18,7 @@ from prefect.context import FlowRunContext
 from dask_gpu.isolation.cgroups import cgroups_available
 from tests.clusterprocs import single_host
 from tests.helpers import authority, tenant
-from tests.limits_model import fork_bomb, hog, steady
+from tests.limits_model import flood, fork_bomb, hog, steady
 
 pytestmark = [pytest.mark.usefixtures("prefect_api"),
               pytest.mark.skipif(os.geteuid() != 0 or cgroups_available() is not None,
@@ -64,6 +64,25 @@ def test_a_body_past_its_memory_limit_fails_named_while_its_neighbour_completes(
     assert failed and failed[0]["outcome"] == "failed" and "body-out-of-memory" in failed[0]["error"]
     ok = [r.payload for r in cluster.plane.records(b_run) if r.kind == "settlement"]
     assert ok[0]["outcome"] == "completed" and 64 <= ok[0]["body"]["peak_memory_mb"] < 512
+
+
+def test_a_result_announced_past_the_bodys_memory_bound_is_refused_unread_and_the_body_ended(cluster):
+    """A body streams more than it may hold itself down its result socket: the worker reads none of it (its own memory
+    is not the body's to fill), ends the body and fails the run by name; the worker serves the next run."""
+    t = tenant(cluster.plane)
+
+    @flow(task_runner=t.runner())
+    def flooding():
+        state = flood.submit(768)  # 0.75 GiB against a bound of 0.5
+        state.wait()
+        return state.state, steady(4), FlowRunContext.get().flow_run.id
+
+    state, after, run = flooding()
+    assert state.is_failed() and after == 8
+    with pytest.raises(Exception, match="MessageTooLarge|refused unread"):
+        state.result()
+    failed = [r.payload for r in cluster.plane.records(run) if r.kind == "settlement" and r.payload["outcome"] == "failed"]
+    assert failed and "more than the 536870912 it may send" in failed[0]["error"], failed
 
 
 def test_a_fork_bomb_ends_at_its_pid_limit_and_leaves_nothing_running(cluster, tmp_path):

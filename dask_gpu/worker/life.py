@@ -50,7 +50,7 @@ from distributed.worker import thread_state
 from dask_gpu.body.child import WORKER_ENV, WORKER_NAME_ENV
 from dask_gpu.body.gang import free_port, members_env
 from dask_gpu.body.time_stop import STOPPED, signal_body
-from dask_gpu.errors import DaskGPUError, DeviceUnavailable
+from dask_gpu.errors import DaskGPUError, DeviceUnavailable, MessageTooLarge
 from dask_gpu.framing import recv_msg, send_msg, wait_readable
 from dask_gpu.isolation import network
 from dask_gpu.request import GPURequest
@@ -316,8 +316,15 @@ def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, de
                 return {"ok": False, "stopped": why, "error_message": f"stopped: {why}"}
             if soft.is_set() and not signalled:  # its time limit: SIGTERM, its checkpoint() raises (time_stop)
                 signalled = signal_body(proc.pid)
-        meta = json.loads(recv_msg(sock))
-        blob = recv_msg(sock)
+        # Never more than the body may hold itself: a body past its bound is not the worker's memory to fill.
+        bound = proc.cgroup.limits.memory_bytes if proc.cgroup is not None else None
+        meta = json.loads(recv_msg(sock, bound))
+        blob = recv_msg(sock, bound)
+    except MessageTooLarge as exc:
+        kill_group(proc.pid)
+        return {"ok": False, "died": True, "error_type": "dask_gpu.errors.MessageTooLarge",
+                "error_message": f"the body's result was refused unread: {exc} (its memory bound). Fix: return less "
+                                 "(write large outputs under the tenant's data path and return where they are)"}
     except (EOFError, OSError, ValueError):
         why = "stop requested" if stop.is_set() else plugin.lease_expired(key)
         if why:
