@@ -35,6 +35,7 @@ import logging
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -247,8 +248,10 @@ def main() -> None:
     def loads(path: str) -> int:
         return len(Path(path).read_text().split()) if Path(path).exists() else 0
 
-    scratch = Path(tempfile.mkdtemp(prefix="fanout-loads-"))
-    scratch.chmod(0o777)  # isolated bodies (other UIDs) note their loads here: the bench's declared shared path
+    # Isolated bodies (other UIDs) note their loads here, the tenant's declared data path (`--served`); not under /tmp,
+    # which an isolated body sees only as its own private one.
+    scratch = Path(tempfile.mkdtemp(prefix="fanout-loads-", dir="/var/tmp"))
+    scratch.chmod(0o777)
 
     authority = AuthorityBlock(grants=[Grant(id="fanout", principal="bench/fanout", kinds=["inference"],
                                              max_gpus=1, max_cost_per_run=1.0)])
@@ -264,7 +267,9 @@ def main() -> None:
 
             home = Path(tempfile.mkdtemp(prefix="fanout-plane-"))
             key = TicketSigner(load_or_make_key(home / "control.key")).public_key.hex()
-            cluster = external_cluster(2, "2 GPUs, 80 GB, H100", key)
+            # The load log lies on the tenant's declared data path: an isolated body's own /tmp is private.
+            cluster = external_cluster(2, "2 GPUs, 80 GB, H100", key, env={
+                "DASK_DASK_GPU__ISOLATION__TENANT_PATHS": f"bench={scratch}"})
             address = cluster.__enter__()
             plane = ControlPlaneProcess(home, dask_address=address).start()
             plane.apply("authority", "fanout", authority)
@@ -298,6 +303,8 @@ def main() -> None:
                         rows.append({"runner": name, "n": n, "wall": wall, "peaks": peaks, "load": load,
                                      "loads": loads(log), "processes": out["processes"]})
                     log = str(scratch / f"ours-{n}-{load}")
+                    Path(log).touch(mode=0o666)  # each isolated body (a UID of its own) appends its loads to it
+                    os.chmod(log, 0o666)  # (touch's mode passes through the umask)
                     quiet_prefect_server()
                     with Peaks(plane.proc.pid if plane is not None else None) as peaks:
                         t0 = time.perf_counter()
@@ -318,6 +325,7 @@ def main() -> None:
                 plane.stop()
             if cluster is not None:
                 cluster.__exit__(None, None, None)
+            shutil.rmtree(scratch, ignore_errors=True)
     print_rows(rows, final=True)
 
 
@@ -340,16 +348,16 @@ def print_rows(rows: list[dict[str, Any]], final: bool = False) -> None:
     for r in ours:
         if (r["n"], r["load"]) in base:
             print(f"  {r['n']:6d} shards, load {r['load']:g} s: cost per shard / ThreadPool's = "
-                  f"{r['wall'] / base[(r['n'], r['load'])]['wall']:.2f} (target <= 2.0 at load 0)")
+                  f"{r['wall'] / base[(r['n'], r['load'])]['wall']:.2f} (target <= 1.5 at load 0)")
         if r["load"] and r["n"] in unloaded:
             print(f"  {r['n']:6d} shards, load {r['load']:g} s: {r['loads']} loads (target <= the bodies the devices "
                   f"allow: 16 on 2 x 2 GPUs at a quarter), wall / wall at load 0 = "
-                  f"{r['wall'] / unloaded[r['n']]['wall']:.2f} (target <= 1.2)")
+                  f"{r['wall'] / unloaded[r['n']]['wall']:.2f} (target <= 1.5)")
     ours = [r for r in ours if r["load"] == 0] or ours
     if len(ours) > 1:
         small, large = ours[0], ours[-1]
         print(f"  cost per shard at {large['n']} / at {small['n']} = "
-              f"{(large['wall'] / large['n']) / (small['wall'] / small['n']):.2f} (target <= 1.2)")
+              f"{(large['wall'] / large['n']) / (small['wall'] / small['n']):.2f} (target <= 1.1)")
         if small["peaks"].plane_rss:
             print(f"  plane RSS at {large['n']} / at {small['n']} = "
                   f"{large['peaks'].plane_rss / small['peaks'].plane_rss:.2f} (target <= 2.0)")

@@ -49,6 +49,7 @@ SUBMIT_READ_SECONDS = 300.0  # a busy plane may take minutes to admit a request'
 
 
 PREFECT_SLOTS = 32  # task engines talking to the Prefect API at once (a run waiting on the plane holds none)
+END_SECONDS = 20.0  # how long runs still waiting when the flow ends get to record their end in Prefect
 
 ENGINE_SLOT: contextvars.ContextVar["EngineSlot | None"] = contextvars.ContextVar("aisched_engine_slot", default=None)
 
@@ -121,8 +122,15 @@ class LoopThread:
         return self.start(coro, contextvars.copy_context()).result()
 
     def close(self) -> None:
+        """Cancel what still waits on the loop and let it end (its task runs end Crashed in Prefect, through the shared
+        client, still open), then stop the loop. Left pending, each run was destroyed at exit mid-await, and Prefect's
+        engine, logging from the dying coroutine, hung the process in interpreter shutdown."""
         if self.loop.is_closed():
             return
+        try:
+            asyncio.run_coroutine_threadsafe(_end_pending(END_SECONDS), self.loop).result(timeout=END_SECONDS + 5)
+        except Exception:  # noqa: BLE001 - the loop is stopped below either way
+            logger.warning("runs still waiting on the flow's loop did not end within %s s", END_SECONDS, exc_info=True)
         if self._client_ctx is not None:
             ctx, self._client_ctx = self._client_ctx, None
             try:
@@ -133,6 +141,16 @@ class LoopThread:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+async def _end_pending(seconds: float) -> None:
+    """Cancel every other task on this loop and wait up to `seconds` for them to end."""
+    me = asyncio.current_task()
+    pending = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=seconds)
 
 
 def call_size(meta: CallMeta, fn_bytes: bytes, args_bytes: bytes) -> int:
