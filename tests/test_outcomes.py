@@ -110,6 +110,25 @@ def test_a_session_with_a_poll_open_is_not_abandoned_and_its_lease_counts_from_t
     asyncio.run(scenario())
 
 
+def test_a_session_whose_open_poll_was_just_woken_is_not_abandoned_before_the_poll_returns():
+    """An outcome wakes a poll that waited past the lease; until the woken poll runs again (a loaded plane's loop may
+    take seconds) the session has no waiter, but it was there until that moment: its other runs still wait for it."""
+    book = OutcomeBook(lease_seconds=0.05)
+    for k in ("done", "queued"):
+        book.expect(k, "s", "w")
+    loop = asyncio.new_event_loop()
+    try:
+        poll = loop.create_task(book.take("s", "w", after=0, wait=30, max_bytes=2**20))
+        loop.run_until_complete(asyncio.sleep(0.01))  # the poll waits
+        time.sleep(0.1)  # past the lease, the poll still open
+        book.put("done", _reply("done"), b"D")  # wakes it; its loop has not run it again yet
+        assert book.expire() == []  # "queued" is not taken out of the queue as abandoned
+        got, pending = loop.run_until_complete(asyncio.wait_for(poll, 5))
+        assert [k.key for k in got] == ["done"] and pending == 1
+    finally:
+        loop.close()
+
+
 def test_a_blocking_caller_waits_for_its_own_call():
     book = OutcomeBook(lease_seconds=60)
     book.expect("k", None, "w")

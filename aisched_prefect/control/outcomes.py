@@ -138,6 +138,8 @@ class OutcomeBook:
             self._seq += 1
             s.ready.append(_Kept(self._seq, key, reply, out))
             waiters, s.waiters = s.waiters, []
+            if waiters:  # its poll was open until now; the woken poll ends later (`_done_waiting`), and in between
+                s.seen = time.monotonic()  # `expire` must not count the lease from when that poll began
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
@@ -198,7 +200,10 @@ class OutcomeBook:
         with self._lock:
             self._closing = True
             waiters = [w for s in self._sessions.values() for w in s.waiters]
+            now = time.monotonic()
             for s in self._sessions.values():
+                if s.waiters:  # polling until now (as in `put`)
+                    s.seen = now
                 s.waiters = []
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
