@@ -303,8 +303,8 @@ def main() -> None:
                         rows.append({"runner": name, "n": n, "wall": wall, "peaks": peaks, "load": load,
                                      "loads": loads(log), "processes": out["processes"]})
                     log = str(scratch / f"ours-{n}-{load}")
-                    Path(log).touch(mode=0o666)  # each isolated body (a UID of its own) appends its loads to it
-                    os.chmod(log, 0o666)  # (touch's mode passes through the umask)
+                    Path(log).touch()
+                    os.chmod(log, 0o666)  # each isolated body (a UID of its own) appends its loads to it
                     quiet_prefect_server()
                     with Peaks(plane.proc.pid if plane is not None else None) as peaks:
                         t0 = time.perf_counter()

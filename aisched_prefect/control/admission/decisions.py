@@ -5,9 +5,9 @@ The elements of a `.map()` are one request in all but their arguments: the same 
 grant and code, over the same snapshot of authority. Their decision is taken once and reused while the
 snapshot is the same object (any authority record, a revocation or an apply, makes a new one), for at most
 DECISION_SECONDS (the inventories feasibility reads are that fresh), never past the chain's earliest expiry
-nor, under a policy with a rule by hours_utc, a whole UTC hour (where that rule turns). Budget is not part of it: each element holds its own
-and has its own admission record, naming the element whose admission decided it (`decided_with`). A
-decision that asks a person is never reused: each call is asked on its own.
+nor, under a policy with a rule by hours_utc, a whole UTC hour (where that rule turns). Budget is not part of
+it: each element holds its own and has its own admission record, naming the element whose admission decided it
+(`decided_with`). A decision that asks a person is never reused: each call is asked on its own.
 
 A `.map()` the flow marks as one array (`CallMeta.array`) is decided once for all its shards: the first shard's
 admission takes the decision while the others wait for it (one lock per array), and it holds for the array's
@@ -100,11 +100,12 @@ class Decisions:
             return
         now = time.time()
         expiry = stages.earliest_expiry(case.chain)
-        # A rule by hours_utc turns at a whole hour; a case whose configuration was not read is bound as if one did.
-        hourly = case.bound is None or (case.bound.policy is not None and case.bound.policy.model.watches_hours)
-        next_hour = (now // 3600 + 1) * 3600 if hourly else now + ARRAY_SECONDS
         fresh = ARRAY_SECONDS if key[-1] is not None else DECISION_SECONDS
-        until = min(now + fresh, next_hour, expiry if expiry is not None else next_hour)
+        bounds = [now + fresh] + ([expiry] if expiry is not None else [])
+        # A rule by hours_utc turns at a whole hour; a case whose configuration was not read is bound as if one did.
+        if case.bound is None or (case.bound.policy is not None and case.bound.policy.model.watches_hours):
+            bounds.append((now // 3600 + 1) * 3600)
+        until = min(bounds)
         assert case.meta is not None
         with self._lock:
             if len(self._kept) >= MAX_DECISIONS:
