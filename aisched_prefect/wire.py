@@ -58,7 +58,7 @@ class CallMeta(BaseModel):
     run_key: str = Field(min_length=1, max_length=300)
     request: dict[str, Any]
     code_digest: str = Field(min_length=64, max_length=64)
-    modules: list[str] = Field(default_factory=list, max_length=16)
+    modules: list[Annotated[str, Field(max_length=300)]] = Field(default_factory=list, max_length=64)  # MAX_PRELOADS
     args_offset: int = Field(default=0, ge=0)  # where the function's pickle ends and the arguments' begin
     grant: str | None = Field(default=None, max_length=200)
     approver: Literal["pause", "policy"] = "pause"
