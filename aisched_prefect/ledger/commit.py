@@ -50,12 +50,13 @@ MAX_RETRIES = 8
 
 
 class Pending:
-    """One write waiting for its group commit."""
+    """One write waiting for its group commit: woken once it is done, or once it is its turn to lead."""
 
-    __slots__ = ("op", "done", "value", "error")
+    __slots__ = ("op", "done", "value", "error", "lead", "woken")
 
     def __init__(self, op: Callable[[WriteBatch], Any]) -> None:
-        self.op, self.done, self.value, self.error = op, False, None, None
+        self.op, self.done, self.value, self.error, self.lead = op, False, None, None, False
+        self.woken = threading.Event()
 
     def result(self) -> Any:
         if self.error is not None:
@@ -87,26 +88,52 @@ class GroupCommit:
         self.lock = threading.Lock()
         self.queue: list[Pending] = []
         self.queue_lock = threading.Lock()
+        self._leading = False  # a thread is committing, or is about to: every other write waits to be woken
         self._conn: Connection | None = None
         self.retries = 0  # transactions run again after a deadlock, serialization failure or lost connection
 
     def write(self, op: Callable[[WriteBatch], Any]) -> Any:
+        """Queue `op`; the one writer leading commits every write queued so far, and wakes each of them (or hands the
+        lead to the first write queued after its batch). A write that was not in a batch waits on its own event, not
+        on the writer's lock: a lock convoy (each of hundreds of threads taking the lock in turn only to find its write
+        done, the next batch waiting behind them) took 15 % of a busy control plane's CPU."""
         pending = Pending(op)
         with self.queue_lock:
             self.queue.append(pending)
-        alerts: list[BudgetAlert] = []
-        with self.lock:
-            if not pending.done:
-                with self.queue_lock:
-                    batch, self.queue = self.queue, []
-                try:
-                    alerts = self._commit(batch)
-                finally:
-                    for p in batch:
-                        p.done = True
+            lead = not self._leading
+            self._leading = True
+        if not lead:
+            pending.woken.wait()
+            if pending.done:
+                return pending.result()
+        alerts = self._lead()
         if alerts:  # after the commit and outside the lock: a slow hook delays no write
             self.on_alerts(alerts)
         return pending.result()
+
+    def _lead(self) -> list[BudgetAlert]:
+        """Commit everything queued (this thread's write among it), then wake those writes and hand the lead on."""
+        batch: list[Pending] = []
+        try:
+            with self.lock:
+                with self.queue_lock:
+                    batch, self.queue = self.queue, []
+                try:
+                    return self._commit(batch)
+                finally:
+                    for p in batch:
+                        p.done = True
+        finally:
+            with self.queue_lock:
+                nxt = self.queue[0] if self.queue else None
+                if nxt is None:
+                    self._leading = False
+                else:
+                    nxt.lead = True
+            for p in batch:
+                p.woken.set()
+            if nxt is not None:
+                nxt.woken.set()
 
     def close(self) -> None:
         with self.lock:
