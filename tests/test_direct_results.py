@@ -344,3 +344,29 @@ def test_a_slow_loris_holding_many_connections_does_not_stop_a_fetch():
             loris.close()
     finally:
         kept.close()
+
+
+def test_a_result_announced_at_another_size_than_recorded_is_refused_before_any_of_it_is_read():
+    """Something answering for the worker announces 10 GB for a 1 MiB result and keeps the connection open: the flow
+    refuses at the header, holding none of it (before, it read all it announced, then compared)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    served = threading.Event()
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.0 200 OK\r\ncontent-length: 10000000000\r\n\r\n" + b"x" * 1024)
+        served.wait(60)  # held open, never finished: a reader that read on would wait out its timeout
+        conn.close()
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    ref = DirectResult(url=f"http://127.0.0.1:{server.getsockname()[1]}", token="t" * 43, digest="0" * 64, size=MiB,
+                       expires_at=0.0)
+    try:
+        with pytest.raises(ResultMismatch, match="announced 10000000000 bytes.*not the 1048576.*nothing of it was read"):
+            direct.fetch_result_sync(ref, "big", attempts=1)
+    finally:
+        served.set()
+        t.join()
+        server.close()

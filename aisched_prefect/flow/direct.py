@@ -100,6 +100,11 @@ def fetch_result_sync(ref: DirectResult, task: str, attempts: int = ATTEMPTS) ->
             if resp.status != 200:
                 last = f"HTTP {resp.status}"
                 continue
+            if resp.length != ref.size:  # not the size the plane recorded: none of it is read (nor held)
+                raise ResultMismatch(
+                    f"the worker at {ref.url} announced {resp.length} bytes for the result of AI task {task}, not the "
+                    f"{ref.size} the control plane recorded in its settlement: nothing of it was read. Fix: check the "
+                    "worker's host (something answered for it), then retry the task")
             data = resp.read()  # the announced length, or IncompleteRead
         except (OSError, http.client.HTTPException) as exc:  # refused, cut, timed out: the worker put it back
             last = f"{type(exc).__name__}: {exc}"
