@@ -23,6 +23,10 @@ class MessageTooLarge(DaskGPUError, ValueError):
     """A peer announced a message larger than it may send (a body's result past its own memory bound)."""
 
 
+class MessageRefused(DaskGPUError, ValueError):
+    """A peer handed over something other than a sealed memory file of the size it announced."""
+
+
 class NotOnGPUWorker(DaskGPUError):
     """Code that needs a GPU-aware worker ran somewhere else."""
 

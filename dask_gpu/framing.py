@@ -1,18 +1,29 @@
 """Length-prefixed messages over a socket: how a worker, a zygote and a body talk (no pickling on this layer).
 
+A large message (a body's result) is not streamed: the sender writes it into a memory file of its own, seals it
+(nothing can change its bytes or its size after) and hands the descriptor over; the receiver checks the seals and
+the size and maps it read-only. Its bytes are written once, by the sender, and never copied through the socket.
+
 >>> import socket
 >>> a, b = socket.socketpair()
 >>> send_msg(a, b"hello"); recv_msg(b)
 b'hello'
+>>> fd = memory_file(); _ = os.write(fd, b"x" * 10); send_sealed(a, fd, 10); os.close(fd)
+>>> bytes(recv_sealed(b, limit=100))
+b'xxxxxxxxxx'
 """
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
 import select
 import socket
+import stat
 import struct
 
-from dask_gpu.errors import MessageTooLarge
+from dask_gpu.errors import MessageRefused, MessageTooLarge
 
 _LEN = struct.Struct(">Q")
 
@@ -59,3 +70,49 @@ def recv_msg(sock: socket.socket, limit: int | None = None) -> bytes:
 def wait_readable(sock: socket.socket, seconds: float) -> bool:
     ready, _, _ = select.select([sock], [], [], seconds)
     return bool(ready)
+
+
+HANDOFF_FROM = 1 << 20  # a body's result at least this large is handed over in a sealed memory file
+_SEALED = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def memory_file() -> int:
+    """A fresh anonymous memory file (memfd) that can be sealed: where a sender writes a large message."""
+    return os.memfd_create("dask-gpu-message", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+def send_sealed(sock: socket.socket, fd: int, size: int) -> None:
+    """Seal memory file `fd` (its `size` bytes can no longer change, by any descriptor or mapping) and hand it over
+    with its length; the caller still closes its own descriptor."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALED)
+    socket.send_fds(sock, [_LEN.pack(size)], [fd])
+
+
+def recv_sealed(sock: socket.socket, limit: int | None = None) -> mmap.mmap:
+    """A message handed over by `send_sealed`, mapped read-only. Refused (MessageRefused; every descriptor that came
+    closed) unless exactly one came, a memory file sealed against writing, growing and shrinking, of the length
+    announced; refused (MessageTooLarge) past `limit`. The seals are what make it safe to map: the sender keeps no
+    way to change what was checked, nor to shrink the file under the mapping (which would fault the reader)."""
+    msg, fds, flags, _ = socket.recv_fds(sock, _LEN.size, 4)
+    try:
+        if not msg:
+            raise EOFError("peer closed the connection")
+        if len(msg) < _LEN.size:
+            msg += recv_exact(sock, _LEN.size - len(msg))
+        (n,) = _LEN.unpack(msg)
+        if flags & socket.MSG_CTRUNC or len(fds) != 1:
+            raise MessageRefused(f"the peer announced a {n}-byte memory file but handed over {len(fds)} descriptors")
+        if limit is not None and n > limit:
+            raise MessageTooLarge(f"the peer announced {n} bytes, more than the {limit} it may send")
+        try:
+            seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+        except OSError:
+            raise MessageRefused("the peer handed over a descriptor that is not a memory file") from None
+        info = os.fstat(fds[0])
+        if seals & _SEALED != _SEALED or not stat.S_ISREG(info.st_mode) or info.st_size != n or n == 0:
+            raise MessageRefused(f"the peer handed over a memory file that is not sealed, or not of the {n} bytes it "
+                                 f"announced ({info.st_size} bytes, seals {seals:#x})")
+        return mmap.mmap(fds[0], n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        for fd in fds:
+            os.close(fd)

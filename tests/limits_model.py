@@ -54,3 +54,28 @@ def flood(megabytes: int) -> int:
             for _ in range(megabytes):
                 sock.sendall(chunk)
     return 0
+
+
+@ai_task(gpus=0.25, kind="training", est_seconds=60)
+def unsealed_handover(megabytes: int) -> int:
+    """As a hostile body would: hands its worker a memory file it did not seal, announced as its result (it could then
+    change the bytes after the worker checked them, or shrink the file under the worker's mapping)."""
+    import gc
+    import json
+    import socket
+    import struct
+
+    fd = os.memfd_create("result", os.MFD_ALLOW_SEALING)
+    os.write(fd, b"x" * (megabytes * 2**20))
+    meta = json.dumps({"ok": True, "sealed": True, "error_text": "", "error_type": "", "logs": [], "reports": []})
+    for sock in [o for o in gc.get_objects() if isinstance(o, socket.socket)]:
+        if sock.family == socket.AF_UNIX and sock.fileno() >= 0:
+            sock.sendall(struct.pack(">Q", len(meta)) + meta.encode())
+            socket.send_fds(sock, [struct.pack(">Q", megabytes * 2**20)], [fd])
+    time.sleep(30)  # what it would do meanwhile: the worker has ended it by then
+    return 0
+
+
+@ai_task(gpus=0.25, kind="training", est_seconds=60)
+def large(megabytes: int) -> bytes:
+    return b"r" * (megabytes * 2**20)

@@ -18,7 +18,7 @@ from prefect.context import FlowRunContext
 from dask_gpu.isolation.cgroups import cgroups_available
 from tests.clusterprocs import single_host
 from tests.helpers import authority, tenant
-from tests.limits_model import flood, fork_bomb, hog, steady
+from tests.limits_model import flood, fork_bomb, hog, large, steady, unsealed_handover
 
 pytestmark = [pytest.mark.usefixtures("prefect_api"),
               pytest.mark.skipif(os.geteuid() != 0 or cgroups_available() is not None,
@@ -83,6 +83,28 @@ def test_a_result_announced_past_the_bodys_memory_bound_is_refused_unread_and_th
         state.result()
     failed = [r.payload for r in cluster.plane.records(run) if r.kind == "settlement" and r.payload["outcome"] == "failed"]
     assert failed and "more than the 536870912 it may send" in failed[0]["error"], failed
+
+
+def test_a_result_handed_over_in_a_memory_file_it_did_not_seal_is_refused_and_the_body_ended(cluster):
+    """A large result comes as a sealed memory file of the body's, mapped by the worker (not copied through the
+    socket); a body that hands over one it did not seal (so it could still change or shrink it) fails by name, is
+    ended, and the worker serves the next run, whose 3 MiB result comes back whole the sealed way."""
+    t = tenant(cluster.plane)
+
+    @flow(task_runner=t.runner())
+    def handing_over():
+        state = unsealed_handover.submit(2)
+        state.wait()
+        return state.state, large(3), FlowRunContext.get().flow_run.id
+
+    state, after, run = handing_over()
+    assert state.is_failed() and after == b"r" * (3 * 2**20)
+    with pytest.raises(Exception, match="MessageRefused|not sealed"):
+        state.result()
+    failed = [r.payload for r in cluster.plane.records(run) if r.kind == "settlement" and r.payload["outcome"] == "failed"]
+    assert failed and "not sealed" in failed[0]["error"], failed
+    done = [r.payload for r in cluster.plane.records(run) if r.kind == "settlement" and r.payload["outcome"] == "completed"]
+    assert done and done[0]["result_via"] == "worker" and done[0]["result_bytes"] > 3 * 2**20, done
 
 
 def test_a_fork_bomb_ends_at_its_pid_limit_and_leaves_nothing_running(cluster, tmp_path):

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from dask_gpu.errors import MessageTooLarge
-from dask_gpu.framing import JOIN_BELOW, recv_msg, send_msg
+from dask_gpu.errors import MessageRefused, MessageTooLarge
+from dask_gpu.framing import JOIN_BELOW, memory_file, recv_msg, recv_sealed, send_msg, send_sealed
 
 
 @pytest.mark.parametrize("size", [0, 1, JOIN_BELOW - 1, JOIN_BELOW, 8 * 2**20 + 3])
@@ -53,3 +53,80 @@ def test_a_message_announced_past_the_limit_is_refused_before_any_of_it_is_read(
     assert recv_msg(d, limit=1024) == b"y" * 1024  # at the limit is allowed
     c.close()
     d.close()
+
+
+# -- a large message handed over as a sealed memory file ----------------------------------------------------------
+
+def _memfd(data: bytes, seal: bool = True) -> int:
+    fd = memory_file()
+    os.write(fd, data)
+    if seal:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_WRITE)
+    return fd
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_sealed_memory_file_arrives_mapped_and_its_sender_can_no_longer_change_it():
+    a, b = socket.socketpair()
+    data = os.urandom(3 * 2**20)
+    fd = memory_file()
+    os.write(fd, data)
+    send_sealed(a, fd, len(data))
+    got = recv_sealed(b, limit=len(data))
+    assert bytes(got) == data
+    with pytest.raises(PermissionError):  # sealed: the sender's own descriptor writes nothing any more
+        os.pwrite(fd, b"changed", 0)
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 1)  # nor shrinks it under the reader's mapping
+    assert bytes(got[:7]) == data[:7]
+    os.close(fd)
+    a.close(), b.close()
+
+
+def _refused(send, limit: int | None = None, error: type[Exception] = MessageRefused) -> None:
+    a, b = socket.socketpair()
+    before = _open_fds()
+    try:
+        send(a)
+        with pytest.raises(error):
+            recv_sealed(b, limit=limit)
+        assert _open_fds() - before == set(), "a refused descriptor was left open"
+    finally:
+        a.close(), b.close()
+
+
+def test_a_memory_file_that_is_not_sealed_is_refused():
+    fd = _memfd(b"x" * 100, seal=False)
+    _refused(lambda a: socket.send_fds(a, [struct.pack(">Q", 100)], [fd]))
+    os.close(fd)
+
+
+def test_a_descriptor_that_is_not_a_memory_file_is_refused():
+    r, w = os.pipe()  # a pipe the reader could block on, or a file it could read past
+    _refused(lambda a: socket.send_fds(a, [struct.pack(">Q", 100)], [r]))
+    os.close(r), os.close(w)
+
+
+def test_a_sealed_memory_file_of_another_size_than_announced_is_refused():
+    fd = _memfd(b"x" * 100)
+    _refused(lambda a: socket.send_fds(a, [struct.pack(">Q", 1000)], [fd]))
+    os.close(fd)
+
+
+def test_several_descriptors_or_none_are_refused():
+    one, two = _memfd(b"x" * 100), _memfd(b"y" * 100)
+    _refused(lambda a: socket.send_fds(a, [struct.pack(">Q", 100)], [one, two]))
+    _refused(lambda a: a.sendall(struct.pack(">Q", 100) + b"x" * 100))
+    os.close(one), os.close(two)
+
+
+def test_a_sealed_memory_file_past_the_limit_is_refused_unmapped():
+    fd = _memfd(b"x" * 4096)
+    _refused(lambda a: socket.send_fds(a, [struct.pack(">Q", 4096)], [fd]), limit=4095, error=MessageTooLarge)
+    os.close(fd)

@@ -27,7 +27,7 @@ import traceback
 from typing import Any
 
 from dask_gpu.body.code import code_digest, load, split
-from dask_gpu.framing import recv_msg, send_msg
+from dask_gpu.framing import HANDOFF_FROM, memory_file, recv_msg, send_msg, send_sealed
 from dask_gpu.body.time_stop import arm, install
 
 WORKER_ENV = "DASK_GPU_WORKER"
@@ -138,7 +138,47 @@ def _name_unreached_path(out: dict[str, Any], data: list[str], tenant: str) -> N
 from dask_gpu.body.limit_names import name_the_limit  # noqa: E402 - imports nothing that holds a key
 
 
-def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes, capture: _Capture) -> tuple[dict[str, Any], bytes]:
+class Sealed:
+    """A result pickled into a memory file of this body's (its descriptor and size): handed to the worker whole."""
+
+    __slots__ = ("fd", "size")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+
+def _pickled(value: Any) -> bytes | Sealed:
+    """`value` pickled: bytes, or (HANDOFF_FROM bytes and more) a memory file the worker maps instead of reading the
+    bytes through the socket. Pickled straight into that file: a 100 MB result is written once, not pickled into
+    bytes and then copied (which also held it twice in the body's memory)."""
+    import cloudpickle
+
+    try:
+        fd = memory_file()
+    except OSError:  # no memfd here (a seccomp filter, an old kernel): bytes through the socket
+        return cloudpickle.dumps(value)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            cloudpickle.dump(value, f)
+            size = f.tell()
+        if size >= HANDOFF_FROM:
+            sealed = Sealed(fd, size)
+            fd = -1  # the caller closes it once handed over
+            return sealed
+        data = bytearray()
+        while len(data) < size:
+            chunk = os.pread(fd, size - len(data), len(data))
+            if not chunk:
+                break
+            data += chunk
+        return bytes(data)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes,
+             capture: _Capture) -> tuple[dict[str, Any], bytes | Sealed]:
     """One run in this body: its environment and devices, its code (loaded once per body), its result."""
     import cloudpickle
 
@@ -158,7 +198,7 @@ def _run_one(loaded: _Loaded, header: dict[str, Any], payload: bytes, capture: _
         if root.level > logging.INFO or root.level == logging.NOTSET:
             root.setLevel(logging.INFO)
         value = fn(*args, **kwargs)
-        blob = cloudpickle.dumps(value)
+        blob = _pickled(value)
         out["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - everything a body raises goes back to its caller
         out["error_text"] = traceback.format_exc()
@@ -215,10 +255,18 @@ def child_main(conn: socket.socket, setup: Any = None, announce: bool = True, im
         if data is not None and not out["ok"]:
             _name_unreached_path(out, data, tenant)
         try:
+            if isinstance(blob, Sealed):
+                out["sealed"] = True
             send_msg(conn, json.dumps(out, default=str).encode())
-            send_msg(conn, blob)
+            if isinstance(blob, Sealed):
+                send_sealed(conn, blob.fd, blob.size)
+            else:
+                send_msg(conn, blob)
         except OSError:
             return 1
+        finally:
+            if isinstance(blob, Sealed):
+                os.close(blob.fd)
 
 
 def run_isolated(conn: socket.socket, header: dict[str, Any], late: list[str], plan: dict[str, Any]) -> int:

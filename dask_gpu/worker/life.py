@@ -50,8 +50,8 @@ from distributed.worker import thread_state
 from dask_gpu.body.child import WORKER_ENV, WORKER_NAME_ENV
 from dask_gpu.body.gang import free_port, members_env
 from dask_gpu.body.time_stop import STOPPED, signal_body
-from dask_gpu.errors import DaskGPUError, DeviceUnavailable, MessageTooLarge
-from dask_gpu.framing import recv_msg, send_msg, wait_readable
+from dask_gpu.errors import DaskGPUError, DeviceUnavailable, MessageRefused, MessageTooLarge
+from dask_gpu.framing import recv_msg, recv_sealed, send_msg, wait_readable
 from dask_gpu.isolation import network
 from dask_gpu.request import GPURequest
 from dask_gpu.tickets import MEET_OP, PLACED_TOPIC, REDEEM_OP, Ticket, TicketRejected, digest, verify_signature
@@ -319,12 +319,18 @@ def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, de
         # Never more than the body may hold itself: a body past its bound is not the worker's memory to fill.
         bound = proc.cgroup.limits.memory_bytes if proc.cgroup is not None else None
         meta = json.loads(recv_msg(sock, bound))
-        blob = recv_msg(sock, bound)
+        # A large result comes as a sealed memory file of the body's, mapped here: its bytes are not copied again.
+        blob: bytes | Any = recv_sealed(sock, bound) if meta.get("sealed") else recv_msg(sock, bound)
     except MessageTooLarge as exc:
         kill_group(proc.pid)
         return {"ok": False, "died": True, "error_type": "dask_gpu.errors.MessageTooLarge",
                 "error_message": f"the body's result was refused unread: {exc} (its memory bound). Fix: return less "
                                  "(write large outputs under the tenant's data path and return where they are)"}
+    except MessageRefused as exc:  # the body's code handed over something else: it is not trusted with more
+        kill_group(proc.pid)
+        return {"ok": False, "died": True, "error_type": "dask_gpu.errors.MessageRefused",
+                "error_message": f"the body's result was refused: {exc}. Fix: return the value from the task "
+                                 "function; a body does not write to its worker's socket itself"}
     except (EOFError, OSError, ValueError):
         why = "stop requested" if stop.is_set() else plugin.lease_expired(key)
         if why:
@@ -345,8 +351,8 @@ def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, de
         # Member 0's value is the run's (a gang's other values are dropped by the plane): only it may stay here.
         kept = plugin.results.hold(blob, ticket.expires_at - ticket.issued_at) if plugin.results and not body.member \
             else None
-        return {"ok": True, "value": b"" if kept else blob, "result": kept, **common}
-    return {"ok": False, "error": blob, "error_type": meta.get("error_type", ""),
+        return {"ok": True, "value": b"" if kept else bytes(blob), "result": kept, **common}
+    return {"ok": False, "error": bytes(blob), "error_type": meta.get("error_type", ""),
             "error_message": meta.get("error_message", ""), "error_text": meta.get("error_text", ""), **common,
             **({"stopped": STOPPED} if signalled else {})}
 

@@ -36,6 +36,7 @@ import hashlib
 import http.server
 import io
 import logging
+import mmap
 import secrets
 import socket
 import threading
@@ -48,6 +49,7 @@ from dask_gpu.errors import DaskGPUError
 
 CONFIG_KEY = "dask-gpu.results"
 PATH = "/results/"
+Held = bytes | mmap.mmap  # a result as bytes, or the sealed memory file its body handed over, mapped read-only
 logger = logging.getLogger("distributed.dask_gpu")
 
 
@@ -120,10 +122,10 @@ class ResultStore:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._held: dict[str, tuple[bytes, float]] = {}  # sha256(token) -> (bytes, monotonic deadline)
+        self._held: dict[str, tuple[Held, float]] = {}  # sha256(token) -> (bytes, monotonic deadline)
         self._bytes = 0
 
-    def put(self, data: bytes, ttl: float) -> str | None:
+    def put(self, data: Held, ttl: float) -> str | None:
         """Keep `data` for `ttl` seconds; its token, or None when it does not fit (the caller sends it inline)."""
         token = secrets.token_urlsafe(32)
         now = time.monotonic()
@@ -135,7 +137,7 @@ class ResultStore:
             self._bytes += len(data)
         return token
 
-    def claim(self, token: str) -> bytes | None:
+    def claim(self, token: str) -> Held | None:
         """The bytes of `token`, taken out of the store (a second claim finds nothing); None if unknown or expired."""
         now = time.monotonic()
         with self._lock:
@@ -146,7 +148,7 @@ class ResultStore:
             self._bytes -= len(got[0])
             return got[0]
 
-    def restore(self, token: str, data: bytes, ttl: float) -> None:
+    def restore(self, token: str, data: Held, ttl: float) -> None:
         """Put back what a fetch claimed but could not send (the connection broke): the caller may ask again."""
         with self._lock:
             self._held[_key(token)] = (data, time.monotonic() + ttl)
@@ -347,7 +349,7 @@ class DirectResults:
         self._thread = threading.Thread(target=self._server.serve_forever, name="dask-gpu-results", daemon=True)
         self._thread.start()
 
-    def hold(self, data: bytes, ttl: float) -> ResultRef | None:
+    def hold(self, data: Held, ttl: float) -> ResultRef | None:
         """A reference to `data`, kept here for `ttl` s (the settings' TTL, if set); None: send it inline (small,
         or the store is full)."""
         if len(data) < self.settings.min_bytes:
