@@ -108,6 +108,7 @@ class ControlPlane:
             self.runs = Runs(settings, self.ledger, self.dispatcher, self.pipeline, self.calls, self.outcomes,
                              self.replica)
             self.reports = Reports(self.ledger, self.key, self.public_key, self.calls, checkpoint_dir)
+            self._stack.callback(self.reports.close)
             self.watcher = Watcher(self.dispatcher, self.state, settings, heartbeat=self.calls.heartbeat,
                                    periodic=self._chores())
             self.watcher.start()

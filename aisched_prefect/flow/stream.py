@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from aisched_prefect.control.outcomes import result_digest
+from aisched_prefect.flow.client import tls_context
 from aisched_prefect.flow.direct import fetch_result, lost_report
 from aisched_prefect.errors import (AISchedError, RequestTooLarge, ResultLost,  # noqa: F401 - ResultMismatch: its old home
                                     ResultMismatch, RunLost)
@@ -230,6 +231,7 @@ class CallStream:
             # No pool timeout: a request waits for a connection as long as it takes (submits are bounded
             # below, `SUBMITS_AT_ONCE`, so the long-polls always find one).
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=POLL_WAIT_SECONDS + 30.0, pool=None),
+                                           verify=tls_context(),
                                            headers={"authorization": f"Bearer {self._token}"},
                                            limits=httpx.Limits(max_connections=16, max_keepalive_connections=8))
         return self._http
