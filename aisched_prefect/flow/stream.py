@@ -196,6 +196,14 @@ class CallLimit:
             logger.debug("could not learn the control plane's AISCHED_MAX_CALL_BYTES", exc_info=True)
 
 
+def _http_client(token: str) -> httpx.AsyncClient:
+    """A stream's HTTP client. No pool timeout: a request waits for a connection as long as it takes (submits are
+    bounded, `SUBMITS_AT_ONCE`, so the long-polls always find one); the process's one TLS context."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=POLL_WAIT_SECONDS + 30.0, pool=None),
+                             verify=tls_context(), headers={"authorization": f"Bearer {token}"},
+                             limits=httpx.Limits(max_connections=16, max_keepalive_connections=8))
+
+
 class CallStream:
     """A flow process's submit stream and outcome polls, on `LoopThread`'s loop (every method is called there).
 
@@ -228,12 +236,7 @@ class CallStream:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            # No pool timeout: a request waits for a connection as long as it takes (submits are bounded
-            # below, `SUBMITS_AT_ONCE`, so the long-polls always find one).
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=POLL_WAIT_SECONDS + 30.0, pool=None),
-                                           verify=tls_context(),
-                                           headers={"authorization": f"Bearer {self._token}"},
-                                           limits=httpx.Limits(max_connections=16, max_keepalive_connections=8))
+            self._http = _http_client(self._token)
         return self._http
 
     async def aclose(self) -> None:
