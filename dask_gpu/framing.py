@@ -62,9 +62,14 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 def recv_msg(sock: socket.socket, limit: int | None = None) -> bytes:
     """One message; one announced longer than `limit` is refused before a byte of it is read or held."""
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    _within(n, limit)
+    return recv_exact(sock, n)
+
+
+def _within(n: int, limit: int | None) -> None:
+    """A message's announced length against what its peer may send: MessageTooLarge before any of it is read."""
     if limit is not None and n > limit:
         raise MessageTooLarge(f"the peer announced {n} bytes, more than the {limit} it may send")
-    return recv_exact(sock, n)
 
 
 def wait_readable(sock: socket.socket, seconds: float) -> bool:
@@ -102,8 +107,7 @@ def recv_sealed(sock: socket.socket, limit: int | None = None) -> mmap.mmap:
         (n,) = _LEN.unpack(msg)
         if flags & socket.MSG_CTRUNC or len(fds) != 1:
             raise MessageRefused(f"the peer announced a {n}-byte memory file but handed over {len(fds)} descriptors")
-        if limit is not None and n > limit:
-            raise MessageTooLarge(f"the peer announced {n} bytes, more than the {limit} it may send")
+        _within(n, limit)
         try:
             seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
         except OSError:

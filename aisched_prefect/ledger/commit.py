@@ -50,12 +50,12 @@ MAX_RETRIES = 8
 
 
 class Pending:
-    """One write waiting for its group commit: woken once it is done, or once it is its turn to lead."""
+    """One write waiting for its group commit: woken once it is done, or (not done) once it is its turn to lead."""
 
-    __slots__ = ("op", "done", "value", "error", "lead", "woken")
+    __slots__ = ("op", "done", "value", "error", "woken")
 
     def __init__(self, op: Callable[[WriteBatch], Any]) -> None:
-        self.op, self.done, self.value, self.error, self.lead = op, False, None, None, False
+        self.op, self.done, self.value, self.error = op, False, None, None
         self.woken = threading.Event()
 
     def result(self) -> Any:
@@ -126,10 +126,7 @@ class GroupCommit:
         finally:
             with self.queue_lock:
                 nxt = self.queue[0] if self.queue else None
-                if nxt is None:
-                    self._leading = False
-                else:
-                    nxt.lead = True
+                self._leading = nxt is not None  # woken not done, `nxt` leads next
             for p in batch:
                 p.woken.set()
             if nxt is not None:

@@ -60,6 +60,7 @@ from dask_gpu.worker.bodies import BodyProcess
 from dask_gpu.worker.execute import DEVICE_WAIT_SECONDS, DeviceLease, gpu_env
 from dask_gpu.worker.plugin import PLUGIN_NAME, WARM_HOLD, GPUWorkerPlugin
 from dask_gpu.worker.records import Body
+from dask_gpu.worker.results import Held
 from dask_gpu.worker.zygote import kill_group
 
 POLL_SECONDS = 0.1
@@ -320,7 +321,7 @@ def _run_child(plugin: GPUWorkerPlugin, key: str, ticket: Ticket, body: Body, de
         bound = proc.cgroup.limits.memory_bytes if proc.cgroup is not None else None
         meta = json.loads(recv_msg(sock, bound))
         # A large result comes as a sealed memory file of the body's, mapped here: its bytes are not copied again.
-        blob: bytes | Any = recv_sealed(sock, bound) if meta.get("sealed") else recv_msg(sock, bound)
+        blob: Held = recv_sealed(sock, bound) if meta.get("sealed") else recv_msg(sock, bound)
     except MessageTooLarge as exc:
         kill_group(proc.pid)
         return {"ok": False, "died": True, "error_type": "dask_gpu.errors.MessageTooLarge",
