@@ -36,7 +36,7 @@ def idle_beside_work(rows: list[UsageRow]) -> list[dict[str, Any]]:
             continue
         kind = served_kind(r, work)
         g = out.setdefault(kind, {"kind": kind, "periods": 0, "idle_seconds": 0.0, "idle_money": Decimal("0")})
-        g["periods"] += 1
+        g["periods"] += r.periods
         g["idle_seconds"] += r.seconds or 0.0
         g["idle_money"] += r.money
     for kind, g in out.items():

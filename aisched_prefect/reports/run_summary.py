@@ -49,7 +49,7 @@ def body_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
             row["runs"] += 1
             row["cold"] += body.get("start") == "cold"
         elif r.kind == "warm-idle":
-            row["idle periods"] += 1
+            row["idle periods"] += int(p.get("periods") or 1)  # a stretch of back-to-back runs settles several
             row["idle s"] += float(p.get("seconds") or 0.0)
             row["idle charged"] += _charged(p)
             row["ended"] = p.get("ended") or "-"

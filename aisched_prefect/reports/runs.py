@@ -291,8 +291,9 @@ def explain(records: list[EvidenceRecord]) -> str:
                            f"{p.get('keep_seconds', 0):.0f} s of its share")
                 out.extend(_held_lines(p))
             elif r.kind == "warm-idle":
-                out.append(f"  [{r.seq}] IDLE SETTLED for warm body {p.get('body')}: {p.get('seconds', 0):.1f} s, "
-                           f"charged {charged_money(p):.6f} as warm-idle; ended: {p.get('ended') or '?'}")
+                out.append(f"  [{r.seq}] IDLE SETTLED for warm body {p.get('body')}: {p.get('seconds', 0):.1f} s"
+                           + (f" in {p['periods']} waits between back-to-back runs" if p.get("periods") else "")
+                           + f", charged {charged_money(p):.6f} as warm-idle; ended: {p.get('ended') or '?'}")
             elif r.kind == "warm-refused":
                 out.append(f"  [{r.seq}] NOT KEPT WARM: body {p.get('body')}: {p.get('reason')}")
             else:

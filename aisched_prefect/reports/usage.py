@@ -95,6 +95,8 @@ class UsageRow(BaseModel):
     """Money the run used past its budgets' room: not charged, recorded in the settlement."""
     money_account: str | None
     charges: list[Charge]
+    periods: int = 1
+    """Idle time (`warm-idle`): the waits its settlement covers (a stretch of back-to-back runs settles several)."""
 
     def key(self, by: str) -> str:
         if by == "day":
@@ -284,6 +286,7 @@ def _row(run: str, hs: list[Any], recs: list[Any], ask: Any, topped: list[float]
         gpu_type=gpu_type, kind=req.get("kind"), outcome=outcome, gpus=gpus, seconds=seconds,
         gpu_hours=_dec(gpu_micros) if gpus else Decimal("0.000000"), tokens=tokens,
         money=_dec(money), uncovered=_dec(uncovered), money_account=account, charges=charges,
+        periods=int(p.get("periods") or 1),
     )
 
 

@@ -7,7 +7,9 @@ ran on) is taken on those lines; a hold that does not fit ends the body (no idle
 period ends when the next run of its key starts in it (the run's outcome says how long it waited), when its worker
 ends it (the `aisched-warm-body` event says so) or when its worker dies (the ticket registry's `aisched-worker-died`
 event, sent for every worker that leaves); either way the hold is settled once with the idle seconds, at most the
-keep-warm time, and through a ledger outage with the retries a run's settlement uses (control.outlast).
+keep-warm time, and through a ledger outage with the retries a run's settlement uses (control.outlast). A run that
+took the body and leaves it warm again carries the period on under the same hold while that hold covers it
+(`_carry`): a map's back-to-back shards in one body share one hold and one settlement record listing each wait.
 
 Each idle period is a row (control.dispatch.warm_rows), written in the transaction that takes its hold (and moved
 in the one that settles it), before it is kept here: a plane killed and started again, or
@@ -25,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aisched_prefect.control.admission import stages
@@ -37,6 +39,8 @@ from blocks import MAX_AMOUNT, Usage
 
 logger = logging.getLogger("aisched_prefect.control")
 LEASE_MARGIN_SECONDS = 60.0  # a warm-idle hold's lease runs this far past the keep-warm time
+STRETCH_SECONDS = 30.0  # back-to-back runs share one idle hold for at most this long (well inside its lease margin)
+STRETCH_SHARE = 0.5  # ... and while their idle seconds add up to at most this share of the keep-warm time it covers
 
 
 def warm_key(admission: Admission) -> str:
@@ -71,14 +75,28 @@ class WarmIdle:
     keep: float
     gpu_type: str | None
     worker: str
-    since: float  # the plane's clock (time.time()): rows carry it across a restart
+    since: float  # the plane's clock (time.time()) when its current wait began: rows carry it across a restart
+    row_runs: int = -1  # the run count its row and hold were booked under (a stretch moves `runs`, not the row)
+    opened: float = 0.0  # when its hold was taken (the plane's clock)
+    before: float = 0.0  # idle seconds of the earlier waits of its stretch (back-to-back runs between them)
+    gaps: list[tuple[str, float]] = field(default_factory=list)  # those waits: the admission that ended each, seconds
+
+    def __post_init__(self) -> None:
+        if self.row_runs < 0:
+            self.row_runs = self.runs
+        if not self.opened:
+            self.opened = self.since
 
     def idle_at(self, at: float | None = None) -> float:
-        return min(max((time.time() if at is None else at) - self.since, 0.0), self.keep)
+        return min(self.before + max((time.time() if at is None else at) - self.since, 0.0), self.keep)
 
 
 def _period(row: IdleRow) -> WarmIdle:
     return WarmIdle(row.body, row.runs, row.admission, row.holds, row.keep, row.gpu_type, row.worker, row.idle_since)
+
+
+def _accounts(holds: list[Hold]) -> set[tuple[str, str]]:
+    return {(h.budget, h.period) for h in holds}
 
 
 class WarmBooks:
@@ -101,11 +119,12 @@ class WarmBooks:
         read_at = time.time()
         rows = {(r.body, r.runs): r for r in self.rows.load_idle()}
         with self._lock:
+            booked = {(p.body, p.row_runs) for p in self._idle.values()}  # a stretch's row names where it began
             for key, row in rows.items():
-                if key not in self._gone:
+                if key not in self._gone and key not in booked:
                     self._idle.setdefault(key, _period(row))
             # A period booked while the rows were read is not in them, and is not gone for that.
-            for key in [k for k, p in self._idle.items() if k not in rows and p.since < read_at]:
+            for key in [k for k, p in self._idle.items() if (p.body, p.row_runs) not in rows and p.opened < read_at]:
                 del self._idle[key]
             return len(self._idle)
 
@@ -119,7 +138,10 @@ class WarmBooks:
         return lines, {line.budget: min(line.amount, MAX_AMOUNT) for line in lines}
 
     def started(self, adm: Admission, body: dict[str, Any], gpu_type: str | None, worker: str) -> None:
-        """A run's outcome: it began an idle period (`kept`), and a warm start ended the one before it."""
+        """A run's outcome: it began an idle period (`kept`), and a warm start ended the one before it (or, run
+        straight after it, carried it on: `_carry`)."""
+        if body.get("start") == "warm" and body.get("kept") and self._carry(adm, body, gpu_type, worker):
+            return
         if body.get("start") == "warm":
             self.ended(body["id"], int(body["runs"]) - 1, float(body.get("idle_before") or 0.0), "a run of its key",
                        taken=True)
@@ -158,6 +180,32 @@ class WarmBooks:
             early = self._early.pop(key, None)
         if early is not None:
             self.ended(body["id"], key[1], *early)
+
+    def _carry(self, adm: Admission, body: dict[str, Any], gpu_type: str | None, worker: str) -> bool:
+        """A run that took a warm body and left it warm again carries the body's idle period on instead of settling
+        it and holding a new one (two ledger writes and two records a shard of a map): its wait is added to the
+        period's seconds and the period waits again under the same hold. Only while that hold covers it: the same
+        worker, device type, keep-warm time, flow run and budget accounts, for at most STRETCH_SECONDS since the hold
+        was taken (its lease runs LEASE_MARGIN_SECONDS past the keep-warm time) and while the waits add up to at
+        most STRETCH_SHARE of the keep-warm time; otherwise the period is settled and a new one held, as before.
+        Whether it was carried on."""
+        runs, idle, now = int(body["runs"]), max(float(body.get("idle_before") or 0.0), 0.0), time.time()
+        prev = (body["id"], runs - 1)
+        with self._lock:
+            p = self._idle.get(prev)
+            if (p is None or p.body in self._ending or p.worker != worker or p.gpu_type != gpu_type
+                    or p.keep != float(body.get("keep") or 0.0) or now - p.opened > STRETCH_SECONDS
+                    or p.before + idle > p.keep * STRETCH_SHARE
+                    or p.admission.flow_run_id != adm.flow_run_id or _accounts(p.holds) != _accounts(adm.holds)):
+                return False
+            del self._idle[prev]
+            p.gaps.append((adm.id, idle))
+            p.before, p.since, p.runs, p.admission = p.before + idle, now, runs, adm  # its last run's authority
+            self._idle[(p.body, runs)] = p
+            early = self._early.pop((p.body, runs), None)
+        if early is not None:
+            self.ended(p.body, runs, *early)
+        return True
 
     def _row(self, body: str, write: Callable[[], Any]) -> bool:
         """Write a body's row, through a ledger outage as a settlement is; whether it was written (else logged: the
@@ -199,17 +247,20 @@ class WarmBooks:
             with self._lock:  # settled from its row: the books here (booked meanwhile) do not hold it again
                 self._idle.pop((body, runs), None)
                 self._gone_now((body, runs))
-        seconds = min(max(idle, 0.0), period.keep)
+        last = min(max(idle, 0.0), period.keep)
+        seconds = min(period.before + last, period.keep)
         adm = period.admission
-        at = period.since + seconds  # when it ended, as far as the books can tell (not when this was heard)
-        row = self.rows.left_idle_op(body, runs, taken=taken, why=why, at=at)
+        at = period.since + last  # when it ended, as far as the books can tell (not when this was heard)
+        row = self.rows.left_idle_op(body, period.row_runs, taken=taken, why=why, at=at)
+        waits = {"periods": len(period.gaps) + 1,  # each wait, and the run that ended it: one record for the stretch
+                 "waits": [{"admission": a, "seconds": s} for a, s in period.gaps]} if period.gaps else {}
         try:  # the hold settled and the row moved in one transaction
             _, charges = self._lines(adm, period.gpu_type, seconds)
             outlasting(lambda: self.ledger.settle([h.id for h in period.holds], charges, kind="warm-idle", payload={
                 "task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body,
                 "outcome": "warm-idle", "seconds": seconds, "ended": why, "worker": period.worker,
-                "admission": adm.id, "charges": charges, **_as_run(adm, period.gpu_type, period.worker)},
-                **_ids(adm, body, runs), also=row), patience=self.patience,
+                "admission": adm.id, "charges": charges, **waits, **_as_run(adm, period.gpu_type, period.worker)},
+                **_ids(adm, body, period.row_runs), also=row), patience=self.patience,
                 what=f"the idle time of warm body {body} ended")
         except Exception:  # its hold expires (charged at most the keep-warm time): never lost, never twice
             logger.exception("could not settle the idle time of warm body %s", body)

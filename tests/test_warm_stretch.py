@@ -1,0 +1,117 @@
+"""Back-to-back runs of a map in one warm body share one idle period (control.dispatch.warm `_carry`).
+
+Before, every shard that took a warm body and left it warm settled the body's idle period (a ledger write, a
+`warm-idle` record, the row moved) and held a new one (a write, a `warm-hold` record, the row written): half of a
+map's four records a shard, and a fifth of the plane's CPU in a `--gil` profile. Now a run that took the body
+carries its period on under the same hold while that hold covers it; the one `warm-idle` record that settles it
+lists each wait and the run that ended it. Units over a real ledger (SQLite, or Postgres where asked); no cluster.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from aisched_prefect.control.admission.record import Admission
+from aisched_prefect.control.dispatch import warm
+from aisched_prefect.control.dispatch.warm import WarmBooks
+from aisched_prefect.ledger import Hold, Ledger
+from aisched_prefect.request import AIRequest
+from blocks import BudgetLine, RunFacts
+
+PRICE = 0.01  # money a second of idle share, in these books
+WORKER = "tls://127.0.0.1:4000"
+
+
+def _admission(n: int, flow_run_id: str, period: str = "2026-12") -> Admission:
+    hold = Hold(id=f"run-hold-{n}", budget="team-a", period=period, reserved=1.0, remaining_before=100.0,
+                remaining_after=99.0)
+    return Admission(id=str(n), credential="c", principal="team-a/nightly", tenant="team-a", flow_run_id=flow_run_id,
+                     task_run_id=str(uuid.uuid4()), task_name="score", flow_name="batch", run_key=f"fr/score-{n}",
+                     request=AIRequest.build(kind="batch-inference", gpus=0.25, est_seconds=30), workers=[],
+                     holds=[hold], reserved=1.0, priced_type="H100", chain=["team-a-root"], expires_at=None,
+                     facts=RunFacts(principal="team-a/nightly", kind="batch-inference"), payload_digest="p" * 64,
+                     code_digest="c" * 64)
+
+
+def _body(runs: int, idle_before: float = 0.0, *, kept: bool = True, keep: float = 60.0) -> dict:
+    return {"id": "body-1", "start": "cold" if runs == 1 else "warm", "runs": runs, "idle_before": idle_before,
+            "kept": kept, "keep": keep}
+
+
+@pytest.fixture
+def books(ledger_url):
+    ledger = Ledger(ledger_url)
+    ended: list = []
+    b = WarmBooks(ledger, bound=lambda adm: None, end_bodies=lambda ids, why: ended.append((ids, why)))
+    b._lines = lambda adm, gpu_type, seconds: (  # type: ignore[method-assign]
+        [BudgetLine(budget="team-a", period=adm.holds[0].period, limit=100.0, amount=seconds * PRICE)],
+        {"team-a": seconds * PRICE})
+    b.ended_asked = ended
+    yield b
+    ledger.close()
+
+
+def _kinds(books: WarmBooks, flow_run_id: str) -> list[str]:
+    return [r.kind for r in books.ledger.records(flow_run_id) if r.kind.startswith("warm")]
+
+
+def test_back_to_back_runs_carry_one_idle_period_settled_once_with_each_wait(books):
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    books.started(_admission(2, fr), _body(2, idle_before=0.5), "H100", WORKER)
+    books.started(_admission(3, fr), _body(3, idle_before=0.25), "H100", WORKER)
+    assert _kinds(books, fr) == ["warm-hold"]  # one hold for the three waits, nothing settled yet
+    [p] = books.periods()
+    assert (p.runs, p.row_runs, p.before, p.admission.id) == (3, 1, 0.75, "3")  # its last run's authority
+    assert books.load() == 1 and [(q.runs, q.before) for q in books.periods()] == [(3, 0.75)]  # its row is the same
+
+    books.ended("body-1", 3, 2.0, "keep-warm time passed", worker=WORKER)
+    assert _kinds(books, fr) == ["warm-hold", "warm-idle"]
+    idle = books.ledger.records(fr)[-1].payload
+    assert idle["seconds"] == pytest.approx(2.75) and idle["periods"] == 3
+    assert idle["waits"] == [{"admission": "2", "seconds": 0.5}, {"admission": "3", "seconds": 0.25}]
+    assert idle["charges"] == {"team-a": pytest.approx(2.75 * PRICE)}
+    assert books.rows.row("body-1")["state"] == "ended" and books.periods() == []
+    assert books.ledger.verify().ok
+
+
+def test_a_run_that_does_not_fit_the_open_hold_settles_it_and_holds_anew(books, monkeypatch):
+    fr, other = str(uuid.uuid4()), str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    books.started(_admission(2, other), _body(2, idle_before=1.0), "H100", WORKER)  # another flow run's
+    assert _kinds(books, fr) == ["warm-hold", "warm-idle"] and _kinds(books, other) == ["warm-hold"]
+    books.started(_admission(3, other, period="2027-01"), _body(3, idle_before=1.0), "H100", WORKER)  # new month
+    books.started(_admission(4, other, period="2027-01"), _body(4, idle_before=1.0), "A100", WORKER)  # other type
+    books.started(_admission(5, other, period="2027-01"), _body(5, idle_before=40.0), "A100", WORKER)  # past a share
+    monkeypatch.setattr(warm, "STRETCH_SECONDS", 0.0)  # the hold taken longer ago than a stretch may last
+    books.started(_admission(6, other, period="2027-01"), _body(6, idle_before=0.1), "A100", WORKER)
+    assert _kinds(books, other) == ["warm-hold"] + ["warm-idle", "warm-hold"] * 4
+    settled = [r.payload for r in books.ledger.records(other) if r.kind == "warm-idle"]
+    assert [p["seconds"] for p in settled] == [1.0, 1.0, 40.0, 0.1] and all("periods" not in p for p in settled)
+    books.started(_admission(7, other, period="2027-01"), _body(7, idle_before=0.2, kept=False), "A100", WORKER)
+    assert _kinds(books, other)[-1] == "warm-idle" and books.periods() == []  # ended with its run: settled
+
+
+def test_a_body_asked_to_end_is_not_carried_on(books):
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    assert books.end_idle(["body-1"], "nothing of its key waits") == ["body-1"]
+    books.started(_admission(2, fr), _body(2, idle_before=0.3), "H100", WORKER)  # it was taken meanwhile
+    assert _kinds(books, fr) == ["warm-hold", "warm-idle", "warm-hold"]
+
+
+def test_a_restarted_plane_loads_a_stretch_by_its_row_and_settles_it_to_at_most_its_keep(books, ledger_url):
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1, keep=60.0), "H100", WORKER)
+    books.started(_admission(2, fr), _body(2, idle_before=0.5, keep=60.0), "H100", WORKER)
+    again = WarmBooks(Ledger(ledger_url), bound=lambda adm: None, end_bodies=lambda ids, why: None)
+    again._lines = books._lines  # type: ignore[method-assign]
+    assert again.load() == 1 and [(p.runs, p.row_runs) for p in again.periods()] == [(1, 1)]
+    [p] = again.periods()
+    again.ended("body-1", 1, p.idle_at(), "its worker no longer has it")  # warm_reconcile's word for it
+    settled = [r.payload for r in again.ledger.records(fr) if r.kind == "warm-idle"]
+    assert len(settled) == 1 and 0.0 <= settled[0]["seconds"] <= 60.0
+    assert again.rows.row("body-1")["state"] == "ended"
+    again.ledger.close()
