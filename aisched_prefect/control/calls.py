@@ -26,6 +26,7 @@ import base64
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -76,23 +77,47 @@ task_runs = sa.Table(
 Claim = Literal["new", "takeover", "busy", "done"]
 
 
+_BUILT: dict[tuple[Any, ...], Any] = {}  # statements built once and run with each row's values
+
+
+def _built(key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """A statement built once per `key` (SQLAlchemy's building and cache key cost more than running it: a fifth
+    of the plane's CPU in a map's `--gil` profile went to building these per shard)."""
+    stmt = _BUILT.get(key)
+    if stmt is None:
+        stmt = _BUILT[key] = build()
+    return stmt
+
+
+def _insert_new_stmt(dialect: str, table: sa.Table) -> Any:
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert(table).on_conflict_do_nothing().returning(table.primary_key.columns[0])
+
+
 def insert_new(conn: Any, table: sa.Table, values: dict[str, Any]) -> bool:
     """Insert a row unless its key is taken (INSERT ... ON CONFLICT DO NOTHING); whether it was inserted.
 
     No IntegrityError: inside a group commit an error would roll back every other write of the group."""
-    if conn.dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    key = table.primary_key.columns[0]
-    return conn.execute(insert(table).values(values).on_conflict_do_nothing().returning(key)).first() is not None
+    dialect = conn.dialect.name
+    stmt = _built(("insert", dialect, table.name, tuple(values)), lambda: _insert_new_stmt(dialect, table))
+    return conn.execute(stmt, values).first() is not None
 
 
 def _first_filed(conn: Any, table: sa.Table, column: Any, value: str, principal: str) -> str:
     """The principal `value` is filed under in `table`: `principal` if this transaction files it first."""
     if insert_new(conn, table, {column.name: value, "principal": principal}):
         return principal
-    return conn.execute(sa.select(table.c.principal).where(column == value)).scalar_one()
+    stmt = _built(("principal", table.name), lambda: sa.select(table.c.principal).where(column == sa.bindparam("b_v")))
+    return conn.execute(stmt, {"b_v": value}).scalar_one()
+
+
+_MINE = _built(("mine",), lambda: calls.update().where((calls.c.key == sa.bindparam("b_key"))
+                                                       & (calls.c.replica == sa.bindparam("b_replica"))
+                                                       & (calls.c.status == "running")))
+_BY_KEY = _built(("by key",), lambda: calls.update().where(calls.c.key == sa.bindparam("b_key")))
 
 
 def _task_key(task_run_id: str) -> str:
@@ -345,8 +370,8 @@ class CallBook:
             with self.ledger.engine.begin() as conn:
                 self.admitted(key, admission, conn)
             return
-        mine = (calls.c.key == key) & (calls.c.replica == self.replica) & (calls.c.status == "running")
-        if conn.execute(calls.update().where(mine).values(admission=admission, updated_at=time.time())).rowcount != 1:
+        if conn.execute(_MINE, {"b_key": key, "b_replica": self.replica, "admission": admission,
+                                "updated_at": time.time()}).rowcount != 1:
             raise CallTakenOver(f"call {key} was taken over by another replica")
 
     def done(self, key: str, reply: dict[str, Any], out: bytes = b"") -> None:
@@ -358,8 +383,8 @@ class CallBook:
         reply = self._stored(key, reply)
         if self.seal is not None and 0 < len(out) <= KEEP_RESULT_BYTES:
             reply = {**reply, "sealed_out": self.seal.seal(f"{key}#out", base64.b64encode(out).decode())}
-        self.ledger.write(lambda conn: conn.execute(calls.update().where(calls.c.key == key)
-                                                    .values(status="done", reply=reply, updated_at=now)))
+        self.ledger.write(lambda conn: conn.execute(_BY_KEY, {"b_key": key, "status": "done", "reply": reply,
+                                                              "updated_at": now}))
 
     def release(self, key: str) -> None:
         """A claim whose call failed here: forgotten if nothing was decided (bad input), so the client may send it
