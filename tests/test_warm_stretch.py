@@ -115,3 +115,20 @@ def test_a_restarted_plane_loads_a_stretch_by_its_row_and_settles_it_to_at_most_
     assert len(settled) == 1 and 0.0 <= settled[0]["seconds"] <= 60.0
     assert again.rows.row("body-1")["state"] == "ended"
     again.ledger.close()
+
+
+def test_a_carried_periods_body_ends_before_its_waits_outrun_its_hold(books):
+    """The worker ends a body after its keep-warm time idle since its last run; a carried period's hold covers that
+    time from its first wait, so the plane ends the body as the waits reach the hold (a margin early)."""
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1, keep=8.0), "H100", WORKER)
+    assert books.end_spent() == []  # nothing carried: the worker's own keep-warm time is the hold's
+    books.started(_admission(2, fr), _body(2, idle_before=3.0, keep=8.0), "H100", WORKER)
+    [p] = books.periods()
+    assert books.end_spent(now=p.since + 2.9) == []  # 5.9 s of 8: more than the 2 s margin left
+    assert books.end_spent(now=p.since + 3.1) == ["body-1"]  # 6.1 s: ended now
+    assert books.ended_asked == [(["body-1"], "its idle hold is used up")]
+    assert books.end_spent(now=p.since + 4.0) == []  # asked once
+    books.ended("body-1", 2, 3.2, "its idle hold is used up", worker=WORKER)
+    [idle] = [r.payload for r in books.ledger.records(fr) if r.kind == "warm-idle"]
+    assert idle["seconds"] == pytest.approx(6.2) and idle["periods"] == 2

@@ -41,6 +41,7 @@ logger = logging.getLogger("aisched_prefect.control")
 LEASE_MARGIN_SECONDS = 60.0  # a warm-idle hold's lease runs this far past the keep-warm time
 STRETCH_SECONDS = 30.0  # back-to-back runs share one idle hold for at most this long (well inside its lease margin)
 STRETCH_SHARE = 0.5  # ... and while their idle seconds add up to at most this share of the keep-warm time it covers
+SPENT_MARGIN_SECONDS = 2.0  # a carried period's body ends this long (at most a quarter of it) before its hold runs out
 
 
 def warm_key(admission: Admission) -> str:
@@ -361,6 +362,17 @@ class WarmBooks:
         if asked:
             self._end_bodies(asked, why)
         return asked
+
+    def end_spent(self, now: float | None = None) -> list[str]:
+        """End the bodies whose carried idle period is about to use up its hold; their ids. Why: the worker ends a
+        body after its keep-warm time idle since its *last* run, but a carried period's hold covers that time
+        counted from its *first* wait, so the plane ends it as its waits reach the hold, a margin early (the watcher
+        calls this every poll)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            spent = [p.body for p in self._idle.values() if p.gaps and p.body not in self._ending
+                     and p.idle_at(now) >= p.keep - min(SPENT_MARGIN_SECONDS, p.keep / 4)]
+        return self.end_idle(spent, "its idle hold is used up") if spent else []
 
     def idle_count(self) -> int:
         with self._lock:

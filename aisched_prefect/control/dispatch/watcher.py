@@ -94,6 +94,7 @@ class Watcher:
                     self._warm_with_rows()
                 else:
                     self.dispatcher.warm.end_broken(self.why_broken)
+                self.dispatcher.warm.end_spent()  # a carried idle period's body, before its waits outrun its hold
                 if running and now - leases_at >= self.settings.body_lease_seconds / 3:
                     handed = [k for r in running.values() if r.dask_at is not None for k in r.dask_keys]
                     if handed:  # runs still waiting in the queue have no body to renew
