@@ -64,8 +64,11 @@ def test_back_to_back_runs_carry_one_idle_period_settled_once_with_each_wait(boo
     books.started(_admission(3, fr), _body(3, idle_before=0.25), "H100", WORKER)
     assert _kinds(books, fr) == ["warm-hold"]  # one hold for the three waits, nothing settled yet
     [p] = books.periods()
-    assert (p.runs, p.row_runs, p.before, p.admission.id) == (3, 1, 0.75, "3")  # its last run's authority
-    assert books.load() == 1 and [(q.runs, q.before) for q in books.periods()] == [(3, 0.75)]  # its row is the same
+    assert (p.runs, p.held_runs, p.before, p.admission.id) == (3, 1, 0.75, "3")  # its last run's authority
+    row = books.rows.row("body-1")  # the row follows it: a plane started again knows the waits and the last run
+    assert (row["state"], row["runs"], row["idle_before"], row["admission"]["id"]) == ("idle", 3, 0.75, "3")
+    assert row["waits"] == [["2", 0.5], ["3", 0.25]]
+    assert books.load() == 1 and [(q.runs, q.before) for q in books.periods()] == [(3, 0.75)]
 
     books.ended("body-1", 3, 2.0, "keep-warm time passed", worker=WORKER)
     assert _kinds(books, fr) == ["warm-hold", "warm-idle"]
@@ -102,19 +105,54 @@ def test_a_body_asked_to_end_is_not_carried_on(books):
     assert _kinds(books, fr) == ["warm-hold", "warm-idle", "warm-hold"]
 
 
-def test_a_restarted_plane_loads_a_stretch_by_its_row_and_settles_it_to_at_most_its_keep(books, ledger_url):
+def test_a_plane_started_again_takes_a_carried_period_from_its_row_and_the_workers_word_ends_it(books, ledger_url):
     fr = str(uuid.uuid4())
     books.started(_admission(1, fr), _body(1, keep=60.0), "H100", WORKER)
     books.started(_admission(2, fr), _body(2, idle_before=0.5, keep=60.0), "H100", WORKER)
     again = WarmBooks(Ledger(ledger_url), bound=lambda adm: None, end_bodies=lambda ids, why: None)
     again._lines = books._lines  # type: ignore[method-assign]
-    assert again.load() == 1 and [(p.runs, p.row_runs) for p in again.periods()] == [(1, 1)]
+    assert again.load() == 1
     [p] = again.periods()
-    again.ended("body-1", 1, p.idle_at(), "its worker no longer has it")  # warm_reconcile's word for it
-    settled = [r.payload for r in again.ledger.records(fr) if r.kind == "warm-idle"]
-    assert len(settled) == 1 and 0.0 <= settled[0]["seconds"] <= 60.0
-    assert again.rows.row("body-1")["state"] == "ended"
+    assert (p.runs, p.held_runs, p.before, p.gaps, p.admission.id) == (2, 1, 0.5, (("2", 0.5),), "2")
+    again.started(_admission(3, fr), _body(3, idle_before=0.25, keep=60.0), "H100", WORKER)  # not carried on here:
+    assert _kinds(again, fr) == ["warm-hold", "warm-idle", "warm-hold"]  # its hold's age is not known
+    first = [r.payload for r in again.ledger.records(fr) if r.kind == "warm-idle"][0]
+    assert first["seconds"] == pytest.approx(0.75) and first["periods"] == 2
+    again.ended("body-1", 3, 4.0, "keep-warm time passed", worker=WORKER)  # the worker's event names its runs
+    assert [r.payload["seconds"] for r in again.ledger.records(fr) if r.kind == "warm-idle"][1:] == [4.0]
+    assert again.rows.row("body-1")["state"] == "ended" and again.periods() == []
     again.ledger.close()
+
+
+def test_a_carried_period_is_charged_its_waits_once_when_the_plane_stops_or_its_worker_dies(books):
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    books.started(_admission(2, fr), _body(2, idle_before=10.0), "H100", WORKER)
+    [p] = books.periods()
+    books.worker_died(WORKER, at=p.since + 5.0)
+    [idle] = [r.payload for r in books.ledger.records(fr) if r.kind == "warm-idle"]
+    assert idle["seconds"] == pytest.approx(15.0) and idle["periods"] == 2  # 10 s carried + 5 s to the death
+
+
+def test_a_stale_word_about_a_carried_period_settles_nothing(books):
+    """A reconcile pass copies the periods, asks the workers, then acts: a run carried the period on meanwhile, so
+    its word (the body busy with that run) is about the period as it was, which is no longer booked."""
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    [stale] = books.periods()
+    books.started(_admission(2, fr), _body(2, idle_before=0.5), "H100", WORKER)
+    books.ended(stale.body, stale.runs, 0.5, "a run of its key", taken=True)  # the stale pass's word
+    assert _kinds(books, fr) == ["warm-hold"] and [q.runs for q in books.periods()] == [2]
+    assert stale.runs == 1 and stale.before == 0.0  # the copy it held did not change under it
+
+
+def test_a_period_whose_row_moved_first_is_settled_and_held_anew_not_carried(books):
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    assert books.rows.left_idle("body-1", 1, taken=False, why="another replica ended it")  # its row moved first
+    books.started(_admission(2, fr), _body(2, idle_before=0.5), "H100", WORKER)
+    assert _kinds(books, fr) == ["warm-hold", "warm-idle", "warm-hold"]
+    assert [(q.runs, q.before) for q in books.periods()] == [(2, 0.0)]
 
 
 def test_a_carried_periods_body_ends_before_its_waits_outrun_its_hold(books):
@@ -129,6 +167,6 @@ def test_a_carried_periods_body_ends_before_its_waits_outrun_its_hold(books):
     assert books.end_spent(now=p.since + 3.1) == ["body-1"]  # 6.1 s: ended now
     assert books.ended_asked == [(["body-1"], "its idle hold is used up")]
     assert books.end_spent(now=p.since + 4.0) == []  # asked once
-    books.ended("body-1", 2, 3.2, "its idle hold is used up", worker=WORKER)
+    books.ended("body-1", 2, p.idle_at(p.since + 3.2), "its idle hold is used up", worker=WORKER)
     [idle] = [r.payload for r in books.ledger.records(fr) if r.kind == "warm-idle"]
     assert idle["seconds"] == pytest.approx(6.2) and idle["periods"] == 2

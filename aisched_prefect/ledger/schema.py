@@ -11,7 +11,7 @@ from aisched_prefect.evidence import GENESIS
 
 # 2: delegated grants and revocations; 3: signed checkpoints; 4: units, leases, alerts; 5: flow versions;
 # 6: hold groups, rounding carries, versioned limits; 7: indexes; 8: warm bodies
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 metadata = sa.MetaData()
 
@@ -129,7 +129,9 @@ warm_bodies = sa.Table(
     sa.Column("keep_seconds", sa.Float, nullable=False, server_default="0"),
     sa.Column("gpu_type", sa.String(64)),
     sa.Column("started_at", sa.Float, nullable=False),  # its cold start
-    sa.Column("idle_since", sa.Float),  # when its idle period began (the plane's clock)
+    sa.Column("idle_since", sa.Float),  # when its idle period began (the plane's clock); carried on: its last wait
+    sa.Column("idle_before", sa.Float, nullable=False, server_default="0"),  # carried on: the earlier waits' seconds
+    sa.Column("waits", sa.JSON),  # carried on: each earlier wait, [admission of the run that ended it, seconds]
     sa.Column("taken_at", sa.Float),  # when a run of its key last took it
     sa.Column("ended_at", sa.Float),
     sa.Column("ended_why", sa.Text),
@@ -166,6 +168,13 @@ def _index(conn: Connection, name: str, table: str, columns: str) -> None:
         conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS {name} ON {table} ({columns})")
 
 
+def _column(conn: Connection, table: str, column: str, ddl: str) -> None:
+    """A column added to a table the ledger has (a table it lacks is created later, with its columns)."""
+    inspector = sa.inspect(conn)
+    if inspector.has_table(table) and column not in {c["name"] for c in inspector.get_columns(table)}:
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
+
+
 # What turns a ledger of version N-1 into version N (new tables are created by `create_all`;
 # these are the changes to existing ones). Each runs once, in order.
 MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
@@ -193,6 +202,10 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         lambda conn: _index(conn, "ix_aisched_evidence_kind_seq", "aisched_evidence", "kind, seq"),
     ],
     8: [],  # aisched_warm_bodies is a new table
+    9: [  # a warm body's idle period carried on by back-to-back runs (control/dispatch/warm.py `_carry`)
+        lambda conn: _column(conn, "aisched_warm_bodies", "idle_before", "FLOAT NOT NULL DEFAULT 0"),
+        lambda conn: _column(conn, "aisched_warm_bodies", "waits", "JSON"),
+    ],
 }
 
 

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aisched_prefect.control.admission import stages
@@ -39,7 +39,8 @@ from blocks import MAX_AMOUNT, Usage
 
 logger = logging.getLogger("aisched_prefect.control")
 LEASE_MARGIN_SECONDS = 60.0  # a warm-idle hold's lease runs this far past the keep-warm time
-STRETCH_SECONDS = 30.0  # back-to-back runs share one idle hold for at most this long (well inside its lease margin)
+STRETCH_SECONDS = 15.0  # back-to-back runs share one idle hold for at most this long (well inside its lease margin)
+STRETCH_WAITS = 64  # ... for at most this many waits (each listed in its row and its settlement record)
 STRETCH_SHARE = 0.5  # ... and while their idle seconds add up to at most this share of the keep-warm time it covers
 SPENT_MARGIN_SECONDS = 2.0  # a carried period's body ends this long (at most a quarter of it) before its hold runs out
 
@@ -77,23 +78,31 @@ class WarmIdle:
     gpu_type: str | None
     worker: str
     since: float  # the plane's clock (time.time()) when its current wait began: rows carry it across a restart
-    row_runs: int = -1  # the run count its row and hold were booked under (a stretch moves `runs`, not the row)
-    opened: float = 0.0  # when its hold was taken (the plane's clock)
-    before: float = 0.0  # idle seconds of the earlier waits of its stretch (back-to-back runs between them)
-    gaps: list[tuple[str, float]] = field(default_factory=list)  # those waits: the admission that ended each, seconds
+    before: float = 0.0  # carried on (`WarmBooks._carry`): the seconds of its earlier waits, back-to-back runs between
+    gaps: tuple[tuple[str, float], ...] = ()  # those waits: the admission of the run that ended each, its seconds
+    opened: float | None = None  # when its hold was taken (None: at `since`, or not known where it was carried on)
 
     def __post_init__(self) -> None:
-        if self.row_runs < 0:
-            self.row_runs = self.runs
-        if not self.opened:
-            self.opened = self.since
+        if self.opened is None:  # a carried period loaded from its row is never carried on again: its hold's age
+            self.opened = 0.0 if self.gaps else self.since  # is not known here
+
+    @property
+    def held_runs(self) -> int:
+        """The run count its hold was taken at (names its hold's records; one run a carried wait)."""
+        return self.runs - len(self.gaps)
 
     def idle_at(self, at: float | None = None) -> float:
-        return min(self.before + max((time.time() if at is None else at) - self.since, 0.0), self.keep)
+        """Its current wait so far (what `WarmBooks.ended` takes: the earlier waits it adds itself)."""
+        return min(max((time.time() if at is None else at) - self.since, 0.0), self.keep)
+
+    def held_at(self, at: float | None = None) -> float:
+        """All of its waits so far: what its hold covers."""
+        return min(self.before + self.idle_at(at), self.keep)
 
 
 def _period(row: IdleRow) -> WarmIdle:
-    return WarmIdle(row.body, row.runs, row.admission, row.holds, row.keep, row.gpu_type, row.worker, row.idle_since)
+    return WarmIdle(row.body, row.runs, row.admission, row.holds, row.keep, row.gpu_type, row.worker, row.idle_since,
+                    row.before, row.waits)
 
 
 def _accounts(holds: list[Hold]) -> set[tuple[str, str]]:
@@ -120,12 +129,11 @@ class WarmBooks:
         read_at = time.time()
         rows = {(r.body, r.runs): r for r in self.rows.load_idle()}
         with self._lock:
-            booked = {(p.body, p.row_runs) for p in self._idle.values()}  # a stretch's row names where it began
             for key, row in rows.items():
-                if key not in self._gone and key not in booked:
+                if key not in self._gone:
                     self._idle.setdefault(key, _period(row))
-            # A period booked while the rows were read is not in them, and is not gone for that.
-            for key in [k for k, p in self._idle.items() if (p.body, p.row_runs) not in rows and p.opened < read_at]:
+            # A period booked (or carried on) while the rows were read is not in them, and is not gone for that.
+            for key in [k for k, p in self._idle.items() if k not in rows and p.since < read_at]:
                 del self._idle[key]
             return len(self._idle)
 
@@ -195,14 +203,24 @@ class WarmBooks:
         with self._lock:
             p = self._idle.get(prev)
             if (p is None or p.body in self._ending or p.worker != worker or p.gpu_type != gpu_type
-                    or p.keep != float(body.get("keep") or 0.0) or now - p.opened > STRETCH_SECONDS
-                    or p.before + idle > p.keep * STRETCH_SHARE
+                    or p.keep != float(body.get("keep") or 0.0) or now - (p.opened or 0.0) > STRETCH_SECONDS
+                    or p.before + idle > p.keep * STRETCH_SHARE or len(p.gaps) >= STRETCH_WAITS
                     or p.admission.flow_run_id != adm.flow_run_id or _accounts(p.holds) != _accounts(adm.holds)):
                 return False
+        # A new period object (one a reconcile pass copied before stays as it was: its stale word misses), its row
+        # moved first (a plane started again, or a replica, knows the waits and the run that carried it last).
+        carried = replace(p, runs=runs, admission=adm, since=now, before=p.before + idle, gaps=(*p.gaps, (adm.id, idle)))
+        try:
+            moved = self.rows.carry(p.body, prev[1], runs, adm, now, carried.before, list(carried.gaps))
+        except Exception:  # the ledger is out: settled and held anew the usual way, through the outage
+            logger.warning("could not carry on the idle period of warm body %s", p.body, exc_info=True)
+            return False
+        with self._lock:
+            if not moved or self._idle.get(prev) is not p:  # it ended meanwhile (its hold settled): held anew
+                return False
             del self._idle[prev]
-            p.gaps.append((adm.id, idle))
-            p.before, p.since, p.runs, p.admission = p.before + idle, now, runs, adm  # its last run's authority
-            self._idle[(p.body, runs)] = p
+            self._gone_now(prev)  # rows read before the move still name it
+            self._idle[(p.body, runs)] = carried
             early = self._early.pop((p.body, runs), None)
         if early is not None:
             self.ended(p.body, runs, *early)
@@ -220,7 +238,8 @@ class WarmBooks:
 
     def ended(self, body: str, runs: int, idle: float, why: str, worker: str | None = None,
               taken: bool = False) -> None:
-        """An idle period ended after `idle` seconds: settle its hold once (an end that came first waits for it).
+        """An idle period ended, its last wait `idle` seconds long (a carried period adds its earlier waits): settle
+        its hold once (an end that came first waits for it).
         `worker`: the worker that says so; only the body's own worker's word ends its period. `taken`: a run of its
         key took the body (it lives on)."""
         with self._lock:
@@ -252,7 +271,7 @@ class WarmBooks:
         seconds = min(period.before + last, period.keep)
         adm = period.admission
         at = period.since + last  # when it ended, as far as the books can tell (not when this was heard)
-        row = self.rows.left_idle_op(body, period.row_runs, taken=taken, why=why, at=at)
+        row = self.rows.left_idle_op(body, runs, taken=taken, why=why, at=at)
         waits = {"periods": len(period.gaps) + 1,  # each wait, and the run that ended it: one record for the stretch
                  "waits": [{"admission": a, "seconds": s} for a, s in period.gaps]} if period.gaps else {}
         try:  # the hold settled and the row moved in one transaction
@@ -261,7 +280,7 @@ class WarmBooks:
                 "task": adm.task_name, "flow": adm.flow_name, "tenant": adm.tenant, "body": body,
                 "outcome": "warm-idle", "seconds": seconds, "ended": why, "worker": period.worker,
                 "admission": adm.id, "charges": charges, **waits, **_as_run(adm, period.gpu_type, period.worker)},
-                **_ids(adm, body, period.row_runs), also=row), patience=self.patience,
+                **_ids(adm, body, period.held_runs), also=row), patience=self.patience,
                 what=f"the idle time of warm body {body} ended")
         except Exception:  # its hold expires (charged at most the keep-warm time): never lost, never twice
             logger.exception("could not settle the idle time of warm body %s", body)
@@ -370,8 +389,8 @@ class WarmBooks:
         calls this every poll)."""
         now = time.time() if now is None else now
         with self._lock:
-            spent = [p.body for p in self._idle.values() if p.gaps and p.body not in self._ending
-                     and p.idle_at(now) >= p.keep - min(SPENT_MARGIN_SECONDS, p.keep / 4)]
+            spent = [p.body for p in self._idle.values() if p.before > 0 and p.body not in self._ending
+                     and p.held_at(now) >= p.keep - min(SPENT_MARGIN_SECONDS, p.keep / 4)]
         return self.end_idle(spent, "its idle hold is used up") if spent else []
 
     def idle_count(self) -> int:

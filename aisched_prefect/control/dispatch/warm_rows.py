@@ -33,7 +33,9 @@ class IdleRow:
     keep: float
     gpu_type: str | None
     worker: str
-    idle_since: float  # the plane's clock (time.time())
+    idle_since: float  # the plane's clock (time.time()): when its last wait began
+    before: float = 0.0  # carried on by back-to-back runs: the earlier waits' seconds
+    waits: tuple[tuple[str, float], ...] = ()  # ... each: the admission of the run that ended it, its seconds
 
 
 _UPSERTS: dict[tuple[str, tuple[str, ...], bool], Any] = {}  # built once per (dialect, columns, later_only)
@@ -61,6 +63,7 @@ def _upsert(conn: Any, values: dict[str, Any], later_only: bool = False) -> None
 
 _LEAVE_IDLE = (table.update().where((table.c.body == sa.bindparam("b_body")) & (table.c.runs == sa.bindparam("b_runs"))
                                     & (table.c.state == "idle")))
+_CARRY = _LEAVE_IDLE  # the same row, still idle under the same period, moved on to the run that carried it
 
 
 class BodyRows:
@@ -86,11 +89,21 @@ class BodyRows:
             values = {"body": body, "key": key, "tenant": adm.tenant, "principal": adm.principal, "worker": worker,
                       "state": "idle", "runs": runs, "admission": adm.model_dump(mode="json"),
                       "holds": [h.model_dump(mode="json") for h in holds], "keep_seconds": keep,
-                      "gpu_type": gpu_type, "started_at": started_at, "idle_since": since, "ended_at": None,
-                      "ended_why": None, "updated_at": time.time()}
+                      "gpu_type": gpu_type, "started_at": started_at, "idle_since": since, "idle_before": 0.0,
+                      "waits": None, "ended_at": None, "ended_why": None, "updated_at": time.time()}
             _upsert(conn, values, later_only=True)
 
         return op
+
+    def carry(self, body: str, runs: int, to_runs: int, adm: Admission, since: float, before: float,
+              waits: list[tuple[str, float]]) -> bool:
+        """Its idle period `runs` carried on by run `to_runs` of its key, which left it warm again: the row names
+        that run, its admission (its authority now) and the waits so far. Whether this moved it (False: the period
+        ended meanwhile, its row moved by whoever ended it)."""
+        values = {"b_body": body, "b_runs": runs, "runs": to_runs, "admission": adm.model_dump(mode="json"),
+                  "idle_since": since, "idle_before": before, "waits": [list(w) for w in waits],
+                  "updated_at": time.time()}
+        return bool(self.ledger.write(lambda conn: conn.execute(_CARRY, values).rowcount))
 
     def ended_cold(self, body: str, adm: Admission, worker: str, key: str, why: str, started_at: float) -> None:
         """A body that ended with its run, or was never held idle (its idle time not covered)."""
@@ -130,7 +143,8 @@ class BodyRows:
             rows = conn.execute(query).all()
         return [IdleRow(r.body, int(r.runs), Admission.model_validate(r.admission),
                         [Hold.model_validate(h) for h in r.holds or []], float(r.keep_seconds), r.gpu_type, r.worker,
-                        float(r.idle_since or 0.0)) for r in rows if r.admission]
+                        float(r.idle_since or 0.0), float(r.idle_before or 0.0),
+                        tuple((str(a), float(x)) for a, x in r.waits or ())) for r in rows if r.admission]
 
     def row(self, body: str) -> dict[str, Any] | None:
         """One body's row as it is (reports, tests)."""
