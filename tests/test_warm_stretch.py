@@ -170,3 +170,45 @@ def test_a_carried_periods_body_ends_before_its_waits_outrun_its_hold(books):
     books.ended("body-1", 2, p.idle_at(p.since + 3.2), "its idle hold is used up", worker=WORKER)
     [idle] = [r.payload for r in books.ledger.records(fr) if r.kind == "warm-idle"]
     assert idle["seconds"] == pytest.approx(6.2) and idle["periods"] == 2
+
+
+def test_a_load_or_an_end_during_a_carry_waits_for_it_or_leaves_it_be(books, ledger_url):
+    """The carry moves its row outside the books' lock: the watcher's `load` in that moment neither drops the period
+    nor books the moved row a second time, and the worker's end of the carried period waits for the carry, then
+    settles all of it once."""
+    import threading
+
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    real, ends = books.rows.carry, []
+
+    def carry_then_load_and_end(*args, **kwargs):
+        moved = real(*args, **kwargs)
+        books.load()  # reads the moved row while the books still hold the period as it was
+        ends.append(threading.Thread(target=books.ended, args=("body-1", 2, 1.0, "keep-warm time passed", WORKER)))
+        ends[-1].start()
+        return moved
+
+    books.rows.carry = carry_then_load_and_end
+    books.started(_admission(2, fr), _body(2, idle_before=0.5), "H100", WORKER)
+    ends[0].join(10)
+    assert _kinds(books, fr) == ["warm-hold", "warm-idle"] and books.periods() == []
+    [idle] = [r.payload for r in books.ledger.records(fr) if r.kind == "warm-idle"]
+    assert idle["seconds"] == pytest.approx(1.5) and idle["periods"] == 2
+    assert books.ledger.history(task_run_id="warm-body-1-1")[0]["status"] == "posted"
+
+
+def test_another_replicas_stale_word_does_not_settle_a_period_carried_on(books, ledger_url):
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    other = WarmBooks(Ledger(ledger_url), bound=lambda adm: None, end_bodies=lambda ids, why: None)
+    other._lines = books._lines  # type: ignore[method-assign]
+    assert other.load() == 1
+    [stale] = other.periods()
+    books.started(_admission(2, fr), _body(2, idle_before=0.5), "H100", WORKER)  # carried on by this replica
+    other.ended(stale.body, stale.runs, 3.0, "its worker no longer has it")  # the other's word, as it was
+    assert _kinds(books, fr) == ["warm-hold"]  # nothing settled by it
+    books.ended("body-1", 2, 1.0, "keep-warm time passed", worker=WORKER)
+    [idle] = [r.payload for r in books.ledger.records(fr) if r.kind == "warm-idle"]
+    assert idle["seconds"] == pytest.approx(1.5)
+    other.ledger.close()

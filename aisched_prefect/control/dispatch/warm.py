@@ -33,7 +33,7 @@ from typing import Any
 from aisched_prefect.control.admission import stages
 from aisched_prefect.control.admission.record import Admission
 from aisched_prefect.control.dispatch.outlast import outlasting
-from aisched_prefect.control.dispatch.warm_rows import BodyRows, IdleRow
+from aisched_prefect.control.dispatch.warm_rows import BodyRows, CarriedOn, IdleRow
 from aisched_prefect.ledger import Hold, Ledger
 from blocks import MAX_AMOUNT, Usage
 
@@ -109,6 +109,22 @@ def _accounts(holds: list[Hold]) -> set[tuple[str, str]]:
     return {(h.budget, h.period) for h in holds}
 
 
+def carries(p: WarmIdle, adm: Admission, body: dict[str, Any], gpu_type: str | None, worker: str, idle: float,
+            now: float) -> bool:
+    """Whether run `adm`, which took the body of period `p` after `idle` seconds and left it warm again (`body`: its
+    outcome's word), may carry the period on under its hold (pure; `WarmBooks._carry` says why these)."""
+    return (p.worker == worker and p.gpu_type == gpu_type and p.keep == float(body.get("keep") or 0.0)
+            and now - (p.opened or 0.0) <= STRETCH_SECONDS and p.before + idle <= p.keep * STRETCH_SHARE
+            and len(p.gaps) < STRETCH_WAITS and p.admission.flow_run_id == adm.flow_run_id
+            and _accounts(p.holds) == _accounts(adm.holds))
+
+
+def spent(periods: list[WarmIdle], now: float) -> list[str]:
+    """The bodies whose carried period's waits have come within SPENT_MARGIN_SECONDS (at most a quarter of the
+    keep-warm time) of its hold (pure)."""
+    return [p.body for p in periods if p.before > 0 and p.held_at(now) >= p.keep - min(SPENT_MARGIN_SECONDS, p.keep / 4)]
+
+
 class WarmBooks:
     """Idle periods of warm bodies, from the outcome that starts one to the report that ends it; kept as rows, and
     here for the watcher's polls."""
@@ -121,6 +137,7 @@ class WarmBooks:
         self._early: dict[tuple[str, int], tuple[float, str]] = {}  # ends reported before their period was booked
         self._ending: set[str] = set()  # bodies asked to end: asked once
         self._gone: dict[tuple[str, int], None] = {}  # periods ended here lately: a row read before is stale
+        self._carrying: dict[str, threading.Event] = {}  # bodies whose period a run is carrying on (its row moving)
         self._lock = threading.Lock()
 
     def load(self) -> int:
@@ -130,10 +147,11 @@ class WarmBooks:
         rows = {(r.body, r.runs): r for r in self.rows.load_idle()}
         with self._lock:
             for key, row in rows.items():
-                if key not in self._gone:
+                if key not in self._gone and key[0] not in self._carrying:
                     self._idle.setdefault(key, _period(row))
             # A period booked (or carried on) while the rows were read is not in them, and is not gone for that.
-            for key in [k for k, p in self._idle.items() if k not in rows and p.since < read_at]:
+            for key in [k for k, p in self._idle.items()
+                        if k not in rows and p.since < read_at and k[0] not in self._carrying]:
                 del self._idle[key]
             return len(self._idle)
 
@@ -202,26 +220,32 @@ class WarmBooks:
         prev = (body["id"], runs - 1)
         with self._lock:
             p = self._idle.get(prev)
-            if (p is None or p.body in self._ending or p.worker != worker or p.gpu_type != gpu_type
-                    or p.keep != float(body.get("keep") or 0.0) or now - (p.opened or 0.0) > STRETCH_SECONDS
-                    or p.before + idle > p.keep * STRETCH_SHARE or len(p.gaps) >= STRETCH_WAITS
-                    or p.admission.flow_run_id != adm.flow_run_id or _accounts(p.holds) != _accounts(adm.holds)):
+            if (p is None or p.body in self._ending or p.body in self._carrying
+                    or not carries(p, adm, body, gpu_type, worker, idle, now)):
                 return False
-        # A new period object (one a reconcile pass copied before stays as it was: its stale word misses), its row
-        # moved first (a plane started again, or a replica, knows the waits and the run that carried it last).
-        carried = replace(p, runs=runs, admission=adm, since=now, before=p.before + idle, gaps=(*p.gaps, (adm.id, idle)))
+            carrying = self._carrying[p.body] = threading.Event()  # `ended` and `load` wait for it, or leave it be
+        # Its row moved first (a plane started again, or a replica, knows the waits and the run that carried it
+        # last), then a new period object booked (one a reconcile pass copied before stays as it was: its stale
+        # word misses); its wait starts after the move (a `load` that read the rows before it keeps it).
+        before, gaps, early = p.before + idle, (*p.gaps, (adm.id, idle)), None
         try:
-            moved = self.rows.carry(p.body, prev[1], runs, adm, now, carried.before, list(carried.gaps))
+            moved = self.rows.carry(p.body, prev[1], runs, adm, now, before, list(gaps))
         except Exception:  # the ledger is out: settled and held anew the usual way, through the outage
             logger.warning("could not carry on the idle period of warm body %s", p.body, exc_info=True)
-            return False
-        with self._lock:
-            if not moved or self._idle.get(prev) is not p:  # it ended meanwhile (its hold settled): held anew
-                return False
-            del self._idle[prev]
-            self._gone_now(prev)  # rows read before the move still name it
-            self._idle[(p.body, runs)] = carried
-            early = self._early.pop((p.body, runs), None)
+            moved = False
+        try:
+            with self._lock:
+                if not moved or self._idle.get(prev) is not p:  # it ended meanwhile (its hold settled): held anew
+                    return False
+                del self._idle[prev]
+                self._gone_now(prev)  # rows read before the move still name it
+                self._idle[(p.body, runs)] = replace(p, runs=runs, admission=adm, since=time.time(), before=before,
+                                                     gaps=gaps)
+                early = self._early.pop((p.body, runs), None)
+        finally:
+            with self._lock:
+                del self._carrying[p.body]
+            carrying.set()
         if early is not None:
             self.ended(p.body, runs, *early)
         return True
@@ -242,6 +266,10 @@ class WarmBooks:
         its hold once (an end that came first waits for it).
         `worker`: the worker that says so; only the body's own worker's word ends its period. `taken`: a run of its
         key took the body (it lives on)."""
+        with self._lock:
+            carrying = self._carrying.get(body)
+        if carrying is not None:  # a run is carrying its period on: what is said of it is said of it after that
+            carrying.wait(self.patience)
         with self._lock:
             found = self._idle.get((body, runs))
             if found is not None and worker is not None and found.worker != worker:
@@ -271,7 +299,7 @@ class WarmBooks:
         seconds = min(period.before + last, period.keep)
         adm = period.admission
         at = period.since + last  # when it ended, as far as the books can tell (not when this was heard)
-        row = self.rows.left_idle_op(body, runs, taken=taken, why=why, at=at)
+        row = self.rows.left_idle_op(body, runs, taken=taken, why=why, at=at, holds=[h.id for h in period.holds])
         waits = {"periods": len(period.gaps) + 1,  # each wait, and the run that ended it: one record for the stretch
                  "waits": [{"admission": a, "seconds": s} for a, s in period.gaps]} if period.gaps else {}
         try:  # the hold settled and the row moved in one transaction
@@ -282,6 +310,8 @@ class WarmBooks:
                 "admission": adm.id, "charges": charges, **waits, **_as_run(adm, period.gpu_type, period.worker)},
                 **_ids(adm, body, period.held_runs), also=row), patience=self.patience,
                 what=f"the idle time of warm body {body} ended")
+        except CarriedOn as exc:  # a stale word (another replica's, or a pass that asked before the carry): nothing
+            logger.info("%s: settled by whoever carries it", exc)  # settled; its row says where it stands now
         except Exception:  # its hold expires (charged at most the keep-warm time): never lost, never twice
             logger.exception("could not settle the idle time of warm body %s", body)
             # its row still says idle: a plane that loads it settles it then (settling twice changes nothing)
@@ -387,11 +417,8 @@ class WarmBooks:
         body after its keep-warm time idle since its *last* run, but a carried period's hold covers that time
         counted from its *first* wait, so the plane ends it as its waits reach the hold, a margin early (the watcher
         calls this every poll)."""
-        now = time.time() if now is None else now
-        with self._lock:
-            spent = [p.body for p in self._idle.values() if p.before > 0 and p.body not in self._ending
-                     and p.held_at(now) >= p.keep - min(SPENT_MARGIN_SECONDS, p.keep / 4)]
-        return self.end_idle(spent, "its idle hold is used up") if spent else []
+        bodies = spent(self.idle_periods(), time.time() if now is None else now)
+        return self.end_idle(bodies, "its idle hold is used up") if bodies else []
 
     def idle_count(self) -> int:
         with self._lock:

@@ -66,6 +66,14 @@ _LEAVE_IDLE = (table.update().where((table.c.body == sa.bindparam("b_body")) & (
 _CARRY = _LEAVE_IDLE  # the same row, still idle under the same period, moved on to the run that carried it
 
 
+class CarriedOn(Exception):
+    """An idle period's end came from a word about it as it was: a later run of its key carried it on under the
+    same hold (another replica's books, or this plane's), so settling it now would settle a period still running."""
+
+
+_ROW = sa.select(table.c.state, table.c.runs, table.c.holds).where(table.c.body == sa.bindparam("b_body"))
+
+
 class BodyRows:
     """Reads and moves the rows; every write is one statement in the ledger's group commit."""
 
@@ -120,14 +128,22 @@ class BodyRows:
         return bool(self.ledger.write(self.left_idle_op(body, runs, taken=taken, why=why, at=at)))
 
     @staticmethod
-    def left_idle_op(body: str, runs: int, *, taken: bool, why: str, at: float | None = None) -> Callable[[Any], bool]:
-        """`left_idle` as a write on a transaction's connection (the idle hold's settlement's own: one write)."""
+    def left_idle_op(body: str, runs: int, *, taken: bool, why: str, at: float | None = None,
+                     holds: list[str] | None = None) -> Callable[[Any], bool]:
+        """`left_idle` as a write on a transaction's connection (the idle hold's settlement's own: one write).
+        `holds`: the period's hold ids; a row still idle under them at a later run count was carried on, and the
+        write raises CarriedOn (rolling the settlement back) rather than settle it."""
         at = time.time() if at is None else at
         values: dict[str, Any] = ({"state": "running", "taken_at": at, "updated_at": time.time()} if taken else
                                   {"state": "ended", "ended_at": at, "ended_why": why[:2000], "updated_at": time.time()})
 
         def op(conn: Any) -> bool:
             done = conn.execute(_LEAVE_IDLE, {"b_body": body, "b_runs": runs, **values})
+            if not done.rowcount and holds is not None:
+                row = conn.execute(_ROW, {"b_body": body}).first()
+                if (row is not None and row.state == "idle" and row.runs > runs
+                        and sorted(h.get("id") for h in row.holds or []) == sorted(holds)):
+                    raise CarriedOn(f"warm body {body}'s idle period {runs} was carried on to run {row.runs}")
             return bool(done.rowcount)
 
         return op
