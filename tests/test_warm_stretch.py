@@ -212,3 +212,21 @@ def test_another_replicas_stale_word_does_not_settle_a_period_carried_on(books, 
     [idle] = [r.payload for r in books.ledger.records(fr) if r.kind == "warm-idle"]
     assert idle["seconds"] == pytest.approx(1.5)
     other.ledger.close()
+
+
+def test_a_period_whose_row_a_later_outcome_took_stays_booked_until_its_own_end(books):
+    """Outcomes are settled on several threads: run 3's can come before run 2's, and its period's row (one a body)
+    is written over the open period 1's. The watcher's `load` keeps period 1 (a carried one lives up to 15 s): it
+    ends when run 2's outcome says how long it waited, and no hold is left to expire charged in full."""
+    fr = str(uuid.uuid4())
+    books.started(_admission(1, fr), _body(1), "H100", WORKER)
+    books.started(_admission(3, fr), _body(3, idle_before=0.2), "H100", WORKER)  # before run 2's outcome
+    assert books.rows.row("body-1")["runs"] == 3
+    books.load()
+    assert sorted(p.runs for p in books.periods()) == [1, 3]
+    books.started(_admission(2, fr), _body(2, idle_before=0.1), "H100", WORKER)
+    settled = {r.task_run_id: r.payload["seconds"] for r in books.ledger.records(fr) if r.kind == "warm-idle"}
+    assert settled == {"warm-body-1-1": 0.1, "warm-body-1-2": 0.2}
+    assert [p.runs for p in books.periods()] == [3]
+    pending = [h for h in books.ledger.history(limit=50) if h["status"] == "pending"]
+    assert [h["task_run_id"] for h in pending] == ["warm-body-1-3"], pending

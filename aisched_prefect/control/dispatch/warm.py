@@ -149,9 +149,14 @@ class WarmBooks:
             for key, row in rows.items():
                 if key not in self._gone and key[0] not in self._carrying:
                     self._idle.setdefault(key, _period(row))
-            # A period booked (or carried on) while the rows were read is not in them, and is not gone for that.
-            for key in [k for k, p in self._idle.items()
-                        if k not in rows and p.since < read_at and k[0] not in self._carrying]:
+            # A period booked (or carried on) while the rows were read is not in them, and is not gone for that; nor
+            # is one whose body's row names a later period: outcomes settled out of order booked that one over it
+            # (a body has one row), and its end comes with the outcome of the run that took the body.
+            latest: dict[str, int] = {}
+            for body, runs in rows:
+                latest[body] = max(latest.get(body, runs), runs)
+            for key in [k for k, p in self._idle.items() if k not in rows and p.since < read_at
+                        and k[0] not in self._carrying and latest.get(k[0], -1) < k[1]]:
                 del self._idle[key]
             return len(self._idle)
 
