@@ -119,6 +119,19 @@ def carries(p: WarmIdle, adm: Admission, body: dict[str, Any], gpu_type: str | N
             and _accounts(p.holds) == _accounts(adm.holds))
 
 
+def settled_elsewhere(idle: dict[tuple[str, int], WarmIdle], rows: set[tuple[str, int]], read_at: float,
+                      carrying: set[str]) -> list[tuple[str, int]]:
+    """The periods booked here that the idle rows read at `read_at` say another replica settled (pure). Not one
+    booked (or carried on) while the rows were read, nor one whose body's row names a later period: outcomes
+    settled out of order booked that one over it (a body has one row), and its end comes with the outcome of the
+    run that took the body."""
+    latest: dict[str, int] = {}
+    for body, runs in rows:
+        latest[body] = max(latest.get(body, runs), runs)
+    return [k for k, p in idle.items()
+            if k not in rows and p.since < read_at and k[0] not in carrying and latest.get(k[0], -1) < k[1]]
+
+
 def spent(periods: list[WarmIdle], now: float) -> list[str]:
     """The bodies whose carried period's waits have come within SPENT_MARGIN_SECONDS (at most a quarter of the
     keep-warm time) of its hold (pure)."""
@@ -149,14 +162,7 @@ class WarmBooks:
             for key, row in rows.items():
                 if key not in self._gone and key[0] not in self._carrying:
                     self._idle.setdefault(key, _period(row))
-            # A period booked (or carried on) while the rows were read is not in them, and is not gone for that; nor
-            # is one whose body's row names a later period: outcomes settled out of order booked that one over it
-            # (a body has one row), and its end comes with the outcome of the run that took the body.
-            latest: dict[str, int] = {}
-            for body, runs in rows:
-                latest[body] = max(latest.get(body, runs), runs)
-            for key in [k for k, p in self._idle.items() if k not in rows and p.since < read_at
-                        and k[0] not in self._carrying and latest.get(k[0], -1) < k[1]]:
+            for key in settled_elsewhere(self._idle, set(rows), read_at, set(self._carrying)):
                 del self._idle[key]
             return len(self._idle)
 
