@@ -26,7 +26,6 @@ import base64
 import hashlib
 import os
 import time
-from collections.abc import Callable
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -36,6 +35,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from aisched_prefect.control.authority.credentials import Unauthorized
 from aisched_prefect.errors import AISchedError
 from aisched_prefect.ledger import Ledger
+from aisched_prefect.ledger.statements import built_once, dialect_insert
 
 KEEP_RESULT_BYTES = 256 * 1024  # an inline result (or error) this small is kept, sealed, with the call's reply
 ABANDONED = "(abandoned)"  # the replica name of an admitted call its replica gave up: the next to see it takes it over
@@ -77,32 +77,13 @@ task_runs = sa.Table(
 Claim = Literal["new", "takeover", "busy", "done"]
 
 
-_BUILT: dict[tuple[Any, ...], Any] = {}  # statements built once and run with each row's values
-
-
-def _built(key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
-    """A statement built once per `key` (SQLAlchemy's building and cache key cost more than running it: a fifth
-    of the plane's CPU in a map's `--gil` profile went to building these per shard)."""
-    stmt = _BUILT.get(key)
-    if stmt is None:
-        stmt = _BUILT[key] = build()
-    return stmt
-
-
-def _insert_new_stmt(dialect: str, table: sa.Table) -> Any:
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert(table).on_conflict_do_nothing().returning(table.primary_key.columns[0])
-
-
 def insert_new(conn: Any, table: sa.Table, values: dict[str, Any]) -> bool:
     """Insert a row unless its key is taken (INSERT ... ON CONFLICT DO NOTHING); whether it was inserted.
 
     No IntegrityError: inside a group commit an error would roll back every other write of the group."""
     dialect = conn.dialect.name
-    stmt = _built(("insert", dialect, table.name, tuple(values)), lambda: _insert_new_stmt(dialect, table))
+    stmt = built_once(("insert new", dialect, table.name, tuple(values)), lambda: dialect_insert(dialect)(table)
+                      .on_conflict_do_nothing().returning(table.primary_key.columns[0]))
     return conn.execute(stmt, values).first() is not None
 
 
@@ -110,14 +91,15 @@ def _first_filed(conn: Any, table: sa.Table, column: Any, value: str, principal:
     """The principal `value` is filed under in `table`: `principal` if this transaction files it first."""
     if insert_new(conn, table, {column.name: value, "principal": principal}):
         return principal
-    stmt = _built(("principal", table.name), lambda: sa.select(table.c.principal).where(column == sa.bindparam("b_v")))
+    stmt = built_once(("principal of", table.name),
+                      lambda: sa.select(table.c.principal).where(column == sa.bindparam("b_v")))
     return conn.execute(stmt, {"b_v": value}).scalar_one()
 
 
-_MINE = _built(("mine",), lambda: calls.update().where((calls.c.key == sa.bindparam("b_key"))
-                                                       & (calls.c.replica == sa.bindparam("b_replica"))
-                                                       & (calls.c.status == "running")))
-_BY_KEY = _built(("by key",), lambda: calls.update().where(calls.c.key == sa.bindparam("b_key")))
+# The call book's per-shard UPDATEs, built once (ledger.statements.built_once says why) and run with bound values.
+_MINE = calls.update().where((calls.c.key == sa.bindparam("b_key")) & (calls.c.replica == sa.bindparam("b_replica"))
+                             & (calls.c.status == "running"))
+_BY_KEY = calls.update().where(calls.c.key == sa.bindparam("b_key"))
 
 
 def _task_key(task_run_id: str) -> str:

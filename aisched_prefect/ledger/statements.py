@@ -7,6 +7,7 @@ hot path (reserve, settle) runs these pre-compiled statements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
@@ -55,6 +56,28 @@ class Sql:
             cur.execute(self.sql, args[0])
         else:
             cur.executemany(self.sql, args)
+
+
+_BUILT: dict[tuple[Any, ...], Any] = {}
+
+
+def built_once(key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """A SQLAlchemy statement built once per `key`, for the writes outside the ledger's own that run once a shard
+    (the call book's, the warm bodies' rows): building and cache-keying one per row cost a fifth of the plane's CPU
+    in a map (the call book) and a sixth (the warm rows); run with each row's values, it is built once."""
+    stmt = _BUILT.get(key)
+    if stmt is None:
+        stmt = _BUILT[key] = build()
+    return stmt
+
+
+def dialect_insert(dialect: str) -> Callable[[Any], Any]:
+    """The dialect's own `insert` (ON CONFLICT ... DO NOTHING / DO UPDATE): Postgres's, else SQLite's."""
+    if dialect == "postgresql":
+        return postgresql.insert
+    from sqlalchemy.dialects import sqlite
+
+    return sqlite.insert
 
 
 HOLD_COLUMNS = [c.name for c in holds.columns]

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from aisched_prefect.control.admission.record import Admission
 from aisched_prefect.ledger import Hold, Ledger
 from aisched_prefect.ledger.schema import warm_bodies as table
+from aisched_prefect.ledger.statements import built_once, dialect_insert
 
 
 @dataclass(frozen=True)
@@ -38,27 +39,20 @@ class IdleRow:
     waits: tuple[tuple[str, float], ...] = ()  # ... each: the admission of the run that ended it, its seconds
 
 
-_UPSERTS: dict[tuple[str, tuple[str, ...], bool], Any] = {}  # built once per (dialect, columns, later_only)
-
-
 def _upsert(conn: Any, values: dict[str, Any], later_only: bool = False) -> None:
     """Write a body's one row. `later_only`: never over a later idle period's (two runs of one body settle on two
     threads, and the earlier period's row written last would hide the later one from a restarted plane's books).
-    The statement is built once and run with each row's values: building it per row cost a sixth of the plane's
-    CPU in a map of warm shards (one idle period a shard)."""
+    The statement is built once per (dialect, columns, later_only) and run with each row's values
+    (ledger.statements.built_once)."""
     dialect, columns = conn.dialect.name, tuple(values)
-    stmt = _UPSERTS.get((dialect, columns, later_only))
-    if stmt is None:
-        if dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert
-        new = insert(table)
-        stmt = new.on_conflict_do_update(index_elements=[table.c.body],
+
+    def build() -> Any:
+        new = dialect_insert(dialect)(table)
+        return new.on_conflict_do_update(index_elements=[table.c.body],
                                          set_={k: new.excluded[k] for k in columns if k not in ("body", "started_at")},
                                          where=(table.c.runs <= new.excluded.runs) if later_only else None)
-        _UPSERTS[(dialect, columns, later_only)] = stmt
-    conn.execute(stmt, values)
+
+    conn.execute(built_once(("warm body upsert", dialect, columns, later_only), build), values)
 
 
 _LEAVE_IDLE = (table.update().where((table.c.body == sa.bindparam("b_body")) & (table.c.runs == sa.bindparam("b_runs"))
