@@ -107,6 +107,7 @@ class DevicePlacement:
             wider = replace(job, hosts=job.hosts | {h})
             self.policy.withdraw([job])
             self.waiters[jid] = (client, wider)
+            self._line_up(jid)  # a fraction moves to the line of its new shape
             self.policy.submit(wider, self.state)
 
     async def _known(self, addresses: list[str]) -> None:

@@ -55,6 +55,7 @@ from dask_gpu.worker.bodies import COLD_STREAM_OP
 from dask_gpu.scheduler.devices import UNITS, Device, DevicePlacement, Spec
 from dask_gpu.scheduler.books import REQUEUE_SECONDS, PolicyBooks, run_shape  # noqa: F401 - REQUEUE_SECONDS: where callers look
 from dask_gpu.scheduler.membership import Membership
+from dask_gpu.scheduler.share_lines import ShareLines
 from dask_gpu.scheduler.metrics import QueueMeter, snapshot
 from dask_gpu.scheduler.stream import PLACED_STREAM_OP, QueueStream  # noqa: F401 - PLACED_STREAM_OP: where callers look
 from dask_gpu.policies.config import PolicyConfig
@@ -68,7 +69,7 @@ ENTER_STREAM_OP = "gpu-queue-enter"  # queue a run: on the client's batched stre
 FREED_STREAM_OP = "gpu-queue-freed"  # from the worker a run is placed on, on its stream: the body ended, its devices are free
 
 
-class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, PolicyBooks, SchedulerPlugin):
+class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, ShareLines, PolicyBooks, SchedulerPlugin):
     """Holds the cluster's queue of GPU runs and starts them with a pure policy (FinishTimeFair by default: no GPU
     held idle while a run that fits waits, beyond EASY's reservations; preemptible runs give borrowed GPUs back;
     fairness memory halving weekly)."""
@@ -102,6 +103,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
         self._dispatch_pending = False
         self.meter = QueueMeter()  # wait times as runs start (queue_metrics.py); the rest is read when scraped
         self._warm_init()
+        self._share_init()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -209,6 +211,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
     def _enter(self, job: Job, client: str) -> None:
         self.answers.setdefault(job.id, asyncio.get_running_loop().create_future())
         self.waiters[job.id] = (client, job)
+        self._line_up(job.id)
         self.policy.submit(job, self.state)
         self._dispatch_soon()
 
@@ -325,22 +328,13 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
         if self.requeue:
             self._expire_requeue(now)
         if not self.waiters:
+            self.share_lines.clear()  # what they held left the queue
             return
         if self.warm:
             self._reuse_waiting()
         self._preempt(now)
-        full: set[tuple[Spec, frozenset[int] | None]] = set()  # no shared device holds these: skip their like
-        for jid in [j for j, s in self.specs.items() if s.share and j in self.waiters]:  # a shared device made room
-            client, job = self.waiters[jid]
-            spec = self.specs[jid]
-            if (spec, job.hosts) in full:  # 10,000 waiting shards of one map: one look, not one each
-                continue
-            fit = self._open_fit(spec, job.hosts)
-            if fit is None:
-                full.add((spec, job.hosts))
-            else:
-                self._book_start(job)
-                self._start_fraction(jid, client, fit[0], fit[1], self.specs.pop(jid), job)
+        self._start_shares()  # fractions on shared devices with room: one look per shape, not per waiting run
+        opened = gave_back = False
         for start in self.policy.schedule(now, self.state):
             client, job = self.waiters.pop(start.job.id)
             spec = self.specs.get(job.id, Spec())
@@ -350,6 +344,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
                 for h, g in start.holds:
                     self.state.free[h] += g  # (the policy counts it started: it is `finish`ed when it ends)
                 self._start_fraction(job.id, client, fit[0], fit[1], self.specs.pop(job.id), job)
+                gave_back = True  # a GPU this pass's policy counted taken is free: the next pass may start on it
                 continue
             run = Running(start.job, start.host, now, start.gang)
             self.state.running.append(run)
@@ -358,6 +353,7 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
             if device is not None:  # a fraction opens a device: the policy's run keeps it counted until it empties
                 device.anchor = run
                 self._start_fraction(job.id, client, address, device, self.specs.pop(job.id), job)
+                opened = True
                 continue
             self.running[job.id] = (run, client)
             if job.preemptible:
@@ -365,8 +361,10 @@ class GPUQueuePlugin(QueueStream, Membership, DevicePlacement, WarmPlacement, Po
             devices, shares = self._assign(job.id, start.holds, job.gpus, spec) if not spec.share else (None, [spec.share])
             self._answer(job.id, {"workers": [self.addresses[h] for h in start.hosts], "devices": devices,
                                   "shares": shares})
-        if self._evict_for_waiting():  # idle warm bodies held what runs wait for: the next pass places them
-            self._dispatch_soon()
+        if opened:  # a fraction the policy started opened a device: fractions of a burst that waited share it now
+            self._start_shares()
+        if self._evict_for_waiting() or (gave_back and self.waiters):  # idle warm bodies held what runs wait for,
+            self._dispatch_soon()  # or the policy's count of free GPUs grew back: the next pass places them
 
 
 
