@@ -93,3 +93,4 @@ def test_waiting_fractions_of_two_shapes_start_oldest_first_and_each_shape_stops
         assert plugin.policy.runs == {}
 
     asyncio.run(scenario())
+

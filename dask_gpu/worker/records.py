@@ -4,6 +4,7 @@ the task function that calls them (dask_gpu.worker.sandbox) both read them witho
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -60,3 +61,14 @@ class Body(BaseModel):
     devices: list[str] | None = None  # the device keys the cluster's queue chose for it (None: the worker chooses)
     queue_key: str | None = None  # its key in the cluster's queue: told the devices are free the moment the body ends
     warm_body: str | None = None  # the idle warm body the cluster's queue chose for it (None: a body of its own)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """The payload travels beside the pickle (out of band, protocol 5) where the pickler takes buffers: Dask
+        pickles a task again with cloudpickle, at several times the cost, whenever its pickle's bytes hold
+        `__main__`, and a flow file's shipped source (its `if __name__ == "__main__":`) always does."""
+        payload = pickle.PickleBuffer(self.payload) if isinstance(protocol, int) and protocol >= 5 else self.payload
+        return (_body, (payload, self.model_dump(exclude={"payload"})))
+
+
+def _body(payload: Any, fields: dict[str, Any]) -> Body:
+    return Body(payload=bytes(payload), **fields)
