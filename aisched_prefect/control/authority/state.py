@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +160,7 @@ class AuthorityState:
         self._seen = 0  # the last record checked (of any kind); the snapshot's seq is its last authority record
         self._digest = StateDigest()  # of the authority records folded so far (what a mark signs)
         self.marked_through = 0  # the `through` of the newest mark this state started from or wrote
+        self._read_at = float("-inf")  # when the last refresh that read the log to its end began (monotonic)
         self.broken: str | None = None
 
     @property
@@ -167,11 +169,17 @@ class AuthorityState:
 
     def refresh(self) -> Snapshot:
         """Check and fold the records appended since the last call. A new snapshot is made only when one of them
-        carries authority: admission reads caches of the snapshot (delegated and revoked grants, indexes)."""
+        carries authority: admission reads caches of the snapshot (delegated and revoked grants, indexes).
+
+        Calls that wait while another refreshes share the next read: a read that began after a call was made saw
+        every record committed before it, so that call returns its snapshot without a read of its own (a burst of
+        admissions reads the log twice, not once each)."""
+        asked = time.monotonic()
         with self._lock:
             old = self._snap
-            if self.broken is not None:
+            if self.broken is not None or self._read_at > asked:
                 return old
+            began = time.monotonic()
             if self._seen == 0 and self.trusted:
                 self._start_from_mark()
                 old = self._snap
@@ -209,6 +217,8 @@ class AuthorityState:
             self._seen, self._hash = seen, prev
             if snap is not None:
                 self._snap = snap
+            if self.broken is None:
+                self._read_at = began  # (a read that failed, or a fold that broke, serves nobody else)
             return self._snap
 
     def _start_from_mark(self) -> None:
