@@ -94,3 +94,64 @@ def test_waiting_fractions_of_two_shapes_start_oldest_first_and_each_shape_stops
 
     asyncio.run(scenario())
 
+
+
+def test_a_pass_over_thousands_of_shapes_costs_one_look_per_shape_and_per_start():
+    """Every memory size a tenant asks is a shape of its own: the pass must not look at every shape again after
+    each start or miss (2,000 shapes would cost 4 million looks, seconds of the scheduler's event loop)."""
+    async def scenario():
+        plugin = await _plugin()
+        running = [asyncio.ensure_future(plugin.place(f"r{i}", tenant="a", gpus=0.25, estimate=60.0))
+                   for i in range(8)]
+        await asyncio.gather(*running)
+        waiting = [asyncio.ensure_future(plugin.place(f"w{i}", tenant="b", gpus=0.25, estimate=60.0,
+                                                      memory=1.0 + i * 1e-6)) for i in range(2000)]
+        await asyncio.sleep(0)
+        assert len(plugin.share_lines) == 2000
+        looks = [0]
+        head = plugin._head
+
+        def counted(shape):
+            looks[0] += 1
+            return head(shape)
+
+        plugin._head = counted
+        plugin.leave("r0")  # a quarter of device 0 frees: the oldest shape that fits takes it
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert plugin.keys["w0"] in plugin.fraction_runs
+        assert looks[0] <= 2 * 2000 + 10, looks[0]
+        check_books(plugin)
+        for i in range(2000):
+            plugin.leave(f"w{i}")
+        for i in range(1, 8):
+            plugin.leave(f"r{i}")
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_runs_that_enter_and_leave_behind_one_that_waits_do_not_pile_up_in_its_line():
+    async def scenario():
+        plugin = await _plugin()
+        running = [asyncio.ensure_future(plugin.place(f"r{i}", tenant="a", gpus=0.25, estimate=60.0))
+                   for i in range(8)]
+        await asyncio.gather(*running)
+        first = asyncio.ensure_future(plugin.place("first", tenant="b", gpus=0.25, estimate=60.0))
+        await asyncio.sleep(0)
+        for i in range(5000):  # each waits behind `first`, then its client gives up on it
+            f = asyncio.ensure_future(plugin.place(f"w{i}", tenant="b", gpus=0.25, estimate=60.0))
+            await asyncio.sleep(0)
+            plugin.leave(f"w{i}")
+            await f
+        (line,) = plugin.share_lines.values()
+        assert len(line) <= 2 * 64, len(line)
+        assert plugin.keys["first"] in plugin.waiters and plugin.keys["first"] in line
+        plugin.leave("r0")
+        await first  # still first in its line: it takes the quarter freed
+        assert plugin.keys["first"] in plugin.fraction_runs
+        check_books(plugin)
+        for key in ["first", *[f"r{i}" for i in range(1, 8)]]:
+            plugin.leave(key)
+
+    asyncio.run(scenario())

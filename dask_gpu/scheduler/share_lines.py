@@ -9,7 +9,8 @@ it starts plus one look per shape.
 
 Lines are heaps of job ids (ids grow as runs enter, so the smallest is the oldest); an id that left the queue, or
 whose shape changed (a worker joined and widened its hosts: it is lined up again under its new shape), is dropped as
-found.
+found, and a line grown to twice what waits in the whole queue keeps only its live ids (so runs that enter and
+leave behind one that waits long do not pile up).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from dask_gpu.scheduler.devices import Spec
 
 Shape = tuple[Spec, "frozenset[int] | None"]
+COMPACT_AT = 64  # a line longer than this, and than twice the runs waiting, keeps only its ids still waiting
 
 
 class ShareLines:
@@ -33,7 +35,12 @@ class ShareLines:
         spec = self.specs.get(jid)
         if spec is None or not spec.share or jid not in self.waiters:
             return
-        heapq.heappush(self.share_lines.setdefault((spec, self.waiters[jid][1].hosts), []), jid)
+        line = self.share_lines.setdefault((spec, self.waiters[jid][1].hosts), [])
+        heapq.heappush(line, jid)
+        if len(line) > COMPACT_AT and len(line) > 2 * len(self.waiters):  # mostly ids that left behind a waiting
+            shape = (spec, self.waiters[jid][1].hosts)  # head: only the ones still waiting are kept
+            line[:] = [j for j in line if self._waits_as(j, shape)]
+            heapq.heapify(line)
 
     def _waits_as(self, jid: int, shape: Shape) -> bool:
         spec = self.specs.get(jid)
@@ -52,27 +59,22 @@ class ShareLines:
 
     def _start_shares(self) -> None:
         """Waiting fractions start on shared devices with room, oldest first across shapes, until each shape's
-        oldest finds none."""
-        full: set[Shape] = set()
-        while True:
-            oldest: tuple[int, Shape] | None = None
-            for shape in list(self.share_lines):
-                if shape in full:
-                    continue
-                jid = self._head(shape)
-                if jid is not None and (oldest is None or jid < oldest[0]):
-                    oldest = (jid, shape)
-            if oldest is None:
-                return
-            jid, shape = oldest
+        oldest finds none. The shapes' oldest stand in a heap of their own for the pass: a pass costs one look per
+        shape and one per start, however many shapes a tenant's runs make (each memory size is one)."""
+        heads = [(jid, n, shape) for n, shape in enumerate(list(self.share_lines))
+                 if (jid := self._head(shape)) is not None]
+        heapq.heapify(heads)
+        while heads:
+            jid, n, shape = heapq.heappop(heads)
             fit = self._open_fit(*shape)
             if fit is None:
-                full.add(shape)
-                continue
+                continue  # no room for this shape: none of it is looked at again in this pass
             heapq.heappop(self.share_lines[shape])
             client, job = self.waiters[jid]
             self._book_start(job)
             self._start_fraction(jid, client, fit[0], fit[1], self.specs.pop(jid), job)
+            if shape in self.share_lines and (after := self._head(shape)) is not None:
+                heapq.heappush(heads, (after, n, shape))
 
     # what the mixin uses of the plugin (declared for readers and type checkers)
     waiters: dict[int, tuple[str, Any]]
