@@ -27,19 +27,24 @@ class CountingDict(dict):
         return super().get(key, default)
 
 
-async def _plugin() -> GPUQueuePlugin:
+async def _plugin(share: float = 0.25) -> GPUQueuePlugin:
+    """A queue of one worker with two H100s, both full of fractions of `share` (r0, r1, ...) of tenant a."""
     plugin = GPUQueuePlugin(SpyPolicy())
-    await plugin.start(Scheduler(["tcp://w0"]))  # one worker, two H100s
+    await plugin.start(Scheduler(["tcp://w0"]))
     await asyncio.sleep(0)
+    await asyncio.gather(*[asyncio.ensure_future(plugin.place(f"r{i}", tenant="a", gpus=share, estimate=60.0))
+                           for i in range(int(2 / share))])
     return plugin
+
+
+def _end(plugin: GPUQueuePlugin, keys: list[str]) -> None:
+    for key in keys:
+        plugin.leave(key)
 
 
 def test_a_pass_over_thousands_of_waiting_fractions_reads_what_it_starts_not_what_waits():
     async def scenario():
         plugin = await _plugin()
-        running = [asyncio.ensure_future(plugin.place(f"r{i}", tenant="a", gpus=0.25, estimate=60.0))
-                   for i in range(8)]  # both devices full
-        await asyncio.gather(*running)
         waiting = [asyncio.ensure_future(plugin.place(f"w{i}", tenant="a", gpus=0.25, estimate=60.0))
                    for i in range(5000)]
         await asyncio.sleep(0)
@@ -56,10 +61,7 @@ def test_a_pass_over_thousands_of_waiting_fractions_reads_what_it_starts_not_wha
         assert plugin.keys["w0"] in plugin.fraction_runs and plugin.keys["w1"] not in plugin.fraction_runs
         assert len(plugin.waiters) == 4999
         check_books(plugin)
-        for i in range(5000):
-            plugin.leave(f"w{i}")
-        for i in range(1, 8):
-            plugin.leave(f"r{i}")
+        _end(plugin, [f"w{i}" for i in range(5000)] + [f"r{i}" for i in range(1, 8)])
         await asyncio.gather(*waiting, return_exceptions=True)
         assert plugin.policy.runs == {} and plugin.share_lines == {}
 
@@ -68,10 +70,7 @@ def test_a_pass_over_thousands_of_waiting_fractions_reads_what_it_starts_not_wha
 
 def test_waiting_fractions_of_two_shapes_start_oldest_first_and_each_shape_stops_at_its_first_miss():
     async def scenario():
-        plugin = await _plugin()
-        running = [asyncio.ensure_future(plugin.place(f"r{i}", tenant="a", gpus=0.5, estimate=60.0))
-                   for i in range(4)]  # both devices full: two halves each
-        await asyncio.gather(*running)
+        plugin = await _plugin(share=0.5)  # both devices full: two halves each
         order = ["h1", "q1", "h2", "q2", "q3"]  # halves and quarters, alternating as they entered
         waiting = {k: asyncio.ensure_future(plugin.place(k, tenant="b", gpus=0.5 if k[0] == "h" else 0.25,
                                                          estimate=60.0)) for k in order}
@@ -87,8 +86,7 @@ def test_waiting_fractions_of_two_shapes_start_oldest_first_and_each_shape_stops
         assert started == {"h1", "q1", "q2"}, started
         assert all(plugin.fractions[plugin.keys[k]][1] is plugin.fractions[plugin.keys["h1"]][1] for k in started)
         check_books(plugin)
-        for k in [*order, "r2", "r3"]:
-            plugin.leave(k)
+        _end(plugin, [*order, "r2", "r3"])
         await asyncio.gather(*waiting.values(), return_exceptions=True)
         assert plugin.policy.runs == {}
 
@@ -101,9 +99,6 @@ def test_a_pass_over_thousands_of_shapes_costs_one_look_per_shape_and_per_start(
     each start or miss (2,000 shapes would cost 4 million looks, seconds of the scheduler's event loop)."""
     async def scenario():
         plugin = await _plugin()
-        running = [asyncio.ensure_future(plugin.place(f"r{i}", tenant="a", gpus=0.25, estimate=60.0))
-                   for i in range(8)]
-        await asyncio.gather(*running)
         waiting = [asyncio.ensure_future(plugin.place(f"w{i}", tenant="b", gpus=0.25, estimate=60.0,
                                                       memory=1.0 + i * 1e-6)) for i in range(2000)]
         await asyncio.sleep(0)
@@ -122,10 +117,7 @@ def test_a_pass_over_thousands_of_shapes_costs_one_look_per_shape_and_per_start(
         assert plugin.keys["w0"] in plugin.fraction_runs
         assert looks[0] <= 2 * 2000 + 10, looks[0]
         check_books(plugin)
-        for i in range(2000):
-            plugin.leave(f"w{i}")
-        for i in range(1, 8):
-            plugin.leave(f"r{i}")
+        _end(plugin, [f"w{i}" for i in range(2000)] + [f"r{i}" for i in range(1, 8)])
         await asyncio.gather(*waiting, return_exceptions=True)
 
     asyncio.run(scenario())
@@ -134,9 +126,6 @@ def test_a_pass_over_thousands_of_shapes_costs_one_look_per_shape_and_per_start(
 def test_runs_that_enter_and_leave_behind_one_that_waits_do_not_pile_up_in_its_line():
     async def scenario():
         plugin = await _plugin()
-        running = [asyncio.ensure_future(plugin.place(f"r{i}", tenant="a", gpus=0.25, estimate=60.0))
-                   for i in range(8)]
-        await asyncio.gather(*running)
         first = asyncio.ensure_future(plugin.place("first", tenant="b", gpus=0.25, estimate=60.0))
         await asyncio.sleep(0)
         for i in range(5000):  # each waits behind `first`, then its client gives up on it
@@ -151,7 +140,6 @@ def test_runs_that_enter_and_leave_behind_one_that_waits_do_not_pile_up_in_its_l
         await first  # still first in its line: it takes the quarter freed
         assert plugin.keys["first"] in plugin.fraction_runs
         check_books(plugin)
-        for key in ["first", *[f"r{i}" for i in range(1, 8)]]:
-            plugin.leave(key)
+        _end(plugin, ["first", *[f"r{i}" for i in range(1, 8)]])
 
     asyncio.run(scenario())
