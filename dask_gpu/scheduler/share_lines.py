@@ -35,11 +35,11 @@ class ShareLines:
         spec = self.specs.get(jid)
         if spec is None or not spec.share or jid not in self.waiters:
             return
-        line = self.share_lines.setdefault((spec, self.waiters[jid][1].hosts), [])
+        shape = (spec, self.waiters[jid][1].hosts)
+        line = self.share_lines.setdefault(shape, [])
         heapq.heappush(line, jid)
         if len(line) > COMPACT_AT and len(line) > 2 * len(self.waiters):  # mostly ids that left behind a waiting
-            shape = (spec, self.waiters[jid][1].hosts)  # head: only the ones still waiting are kept
-            line[:] = [j for j in line if self._waits_as(j, shape)]
+            line[:] = [j for j in line if self._waits_as(j, shape)]  # head: only the ones still waiting are kept
             heapq.heapify(line)
 
     def _waits_as(self, jid: int, shape: Shape) -> bool:
@@ -73,7 +73,7 @@ class ShareLines:
             client, job = self.waiters[jid]
             self._book_start(job)
             self._start_fraction(jid, client, fit[0], fit[1], self.specs.pop(jid), job)
-            if shape in self.share_lines and (after := self._head(shape)) is not None:
+            if (after := self._head(shape)) is not None:  # (the line is there: its head was just taken from it)
                 heapq.heappush(heads, (after, n, shape))
 
     # what the mixin uses of the plugin (declared for readers and type checkers)
