@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     day_report_seconds: float = Field(default=300.0, gt=0, description="How often the day's usage artifact is rebuilt.")
     queue_sync_seconds: float = Field(default=30.0, gt=0, description="How often the control plane sets the queue's "
                                       "tenant weights on the scheduler again (a restarted scheduler gets them back).")
+    hand_over_placed: bool = Field(
+        default=True, description="AISCHED_HAND_OVER_PLACED: a run the cluster's queue placed goes straight to its "
+        "worker on the control plane's connection to it (dask_gpu.worker.sandbox), not as a Dask task; false sends "
+        "every run as a Dask task, as before (a worker older than this release has no `gpu_run`).")
     stop_seconds: float = Field(default=1.5, gt=0, description="On SIGTERM, how long `aisched serve` lets open requests "
                                 "finish, and then its Dask client and ledger close, before it exits anyway.")
 

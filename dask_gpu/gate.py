@@ -98,7 +98,8 @@ WORKER_OPS: dict[str, frozenset[str]] = _table(FROM_SCHEDULER, """
     gpu_stop
     identity keys ping plugin-add plugin-remove profile profile_metadata run run_coroutine shuffle_inputs_done
     shuffle_receive terminate update_data upload_file versions
-""", connection_stream=DENIED)  # worker-to-worker streams (p2p shuffles) are not used here
+""", connection_stream=DENIED,  # worker-to-worker streams (p2p shuffles) are not used here
+    gpu_run=PLANE)  # a run the queue placed, handed over with its ticket (dask_gpu.worker.sandbox)
 # What a worker accepts on its stream from the scheduler.
 WORKER_STREAM = frozenset("""
     acquire-replicas cancel-compute close compute-task free-keys refresh-who-has remove-replicas remove-worker

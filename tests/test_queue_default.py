@@ -1,5 +1,5 @@
 """The one queue is the default: every GPU run (whole, memory-sized, fractional) waits in the cluster's queue and goes
-to Dask only when the policy starts it; tenants share it fairly. (The session's control plane runs with its defaults.)"""
+to its worker only when the policy starts it; tenants share it fairly. (The session's control plane runs with its defaults.)"""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def half(i):
     return i
 
 
-def test_every_gpu_run_reaches_dask_only_when_it_can_start(control_plane, dask_client):
-    """Whole, memory-sized and fractional runs at once: what Dask holds on each worker never exceeds its GPUs, so
-    no run waits inside Dask behind another (the control plane's runner was given no queue= at all)."""
+def test_every_gpu_run_reaches_its_worker_only_when_it_can_start(control_plane, dask_client):
+    """Whole, memory-sized and fractional runs at once: what each worker was given (Dask tasks, and runs handed
+    straight to it) never exceeds its GPUs, so no run waits on a worker behind another (the control plane's runner
+    was given no queue= at all)."""
     workers = {addr: w["resources"].get("GPU", 0) for addr, w in dask_client.scheduler_info(n_workers=-1)["workers"].items()}
     over: list = []
     busy: list = []
@@ -47,9 +48,15 @@ def test_every_gpu_run_reaches_dask_only_when_it_can_start(control_plane, dask_c
         return {ws.address: sum((ts.resource_restrictions or {}).get("GPU", 0.0) for ts in ws.processing
                                 if str(ts.key).startswith("aisched-")) for ws in dask_scheduler.workers.values()}
 
+    def gpus_handed_over(dask_worker) -> float:
+        """GPUs of the runs the control plane handed straight to this worker (the queue placed them)."""
+        return sum(t.request.gpus for _, t in dask_worker.plugins["dask-gpu"].handover.callers.values())
+
     def watch():
         while not stop.is_set():
+            handed = dask_client.run(gpus_handed_over)
             for addr, held in dask_client.run_on_scheduler(gpus_processing).items():
+                held += handed.get(addr, 0.0)
                 busy.append(held)
                 if held > workers.get(addr, 0):
                     over.append((addr, held))

@@ -86,6 +86,7 @@ class ControlPlane:
             install(self.client, self.state, queue=queue)
             self.dispatcher = Dispatcher(self.client, self.signer, self.ledger, self.state, settings, queue=queue)
             self._stack.callback(self.dispatcher.warm.close)  # before the client closes: bodies end, idle time settled
+            self._stack.callback(self.dispatcher.handovers.close)
             # Bodies that ended, or whose worker left, while no plane listened (this one was killed): settled now.
             threading.Thread(target=self.dispatcher.reconcile_warm, name="aisched-warm-reconcile", daemon=True).start()
             self.approvals = ApprovalBook(self.ledger, self.state, base_url)

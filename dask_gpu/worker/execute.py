@@ -158,19 +158,20 @@ class DeviceLease:
 
 @contextmanager
 def hold_devices(request: GPURequest, devices: list[str] | None = None,
-                 held: tuple[GPUDevice, ...] | None = None) -> Iterator[DeviceLease]:
+                 held: tuple[GPUDevice, ...] | None = None, key: str | None = None) -> Iterator[DeviceLease]:
     """Hold the devices `request` needs on this worker for the block; release them however it ends.
 
     `devices`: the device keys the cluster's queue chose (taken exactly, when they can hold the request).
     `held`: devices the caller already holds for longer than the block (a body's, for its whole life: see
     dask_gpu.worker.bodies); the block runs on them and neither takes nor gives them back.
+    `key`: what the hold and its stop are known by (default: the Dask task's key; a run handed over names its own).
     """
     address, plugin = _plugin()
     if request.gpus and plugin is None:
         raise NotOnGPUWorker(
             f"worker {address} is not GPU-aware: start it with `--preload dask_gpu.worker.preload`"
         )
-    key = str(getattr(thread_state, "key", None) or f"call-{threading.get_ident()}-{time.monotonic_ns()}")
+    key = str(key or getattr(thread_state, "key", None) or f"call-{threading.get_ident()}-{time.monotonic_ns()}")
     stop = plugin.stop_event(key) if plugin is not None else threading.Event()
     if stop.is_set():
         if plugin is not None:

@@ -89,8 +89,9 @@ class Life:
 
 # -- 1. redeem the ticket
 
-def redeem(ticket: Ticket | None, body: Body) -> Life:
-    """Step 1: no ticket, no run; a ticket runs once, here and in the whole cluster."""
+def redeem(ticket: Ticket | None, body: Body, key: str | None = None) -> Life:
+    """Step 1: no ticket, no run; a ticket runs once, here and in the whole cluster. `key`: what its devices, lease
+    and stop are held under (default: its Dask task's key)."""
     worker, plugin = _plugin()
     verify_signature(ticket, plugin.trusted_keys)
     assert ticket is not None
@@ -100,7 +101,7 @@ def redeem(ticket: Ticket | None, body: Body) -> Life:
         raise TicketRejected(f"worker {worker.address} has no isolation plan (its GPU plugin's setup failed): it runs "
                              "no body; see the worker's log")
     plugin.tenants.admit(ticket.tenant, ticket.run)  # an unisolated worker serves one tenant: refused before redeeming
-    key = str(getattr(thread_state, "key", None) or ticket.id)
+    key = str(key or getattr(thread_state, "key", None) or ticket.id)
     _redeem(worker, ticket, body.member, key)  # cluster-wide (a re-run elsewhere is refused, and listed)
     ticket.check_worker(worker.address, body.member, str(worker.name or ""))  # neither rests on the scheduler's memory
     _redeem_here(plugin, ticket, body.member)
@@ -237,7 +238,7 @@ def hold_devices(life: Life) -> Iterator[None]:
     its lease renewed, and the scheduler told where it was placed; its lease forgotten as the block ends."""
     plugin, ticket, body, key = life.plugin, life.ticket, life.body, life.key
     assert life.proc is not None
-    with execute.hold_devices(life.request, body.devices, held=life.proc.devices) as lease:
+    with execute.hold_devices(life.request, body.devices, held=life.proc.devices, key=key) as lease:
         life.lease = lease
         plugin.renew([key], ticket.lease_seconds)
         life.worker.log_event(PLACED_TOPIC, {"ticket": ticket.id, "member": body.member, "key": key,

@@ -62,6 +62,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         self.queue = QueueMessages()  # what the cluster's queue is told: runs freed, warm bodies ended
         self._closing = threading.Event()
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dask-gpu-reaper")
+        self.handover: Any = None  # the `gpu_run` handler, installed at setup (dask_gpu.worker.sandbox.Handover)
 
     def stop_event(self, key: str) -> threading.Event:
         """The event that asks task `key` to stop; it may be set before the task starts."""
@@ -95,6 +96,8 @@ class GPUWorkerPlugin(WorkerPlugin):
 
     def abandoned(self, key: str) -> str | None:
         """Why nobody waits for task `key` any more (its client went away and Dask cancelled it), or None."""
+        if self.handover is not None and key in self.handover.callers:  # handed over: no Dask task to ask
+            return self.handover.abandoned(key)
         worker = getattr(self, "_worker", None)
         ts = worker.state.tasks.get(key) if worker is not None else None
         if worker is not None and (ts is None or ts.state in ("cancelled", "released", "forgotten")):
@@ -259,11 +262,11 @@ class GPUWorkerPlugin(WorkerPlugin):
         assert self.isolation is not None
         logger.info("GPU worker %s isolation: %s", worker.name, self.isolation.describe())
         # The control plane reaches workers through the scheduler's broadcast: no out-of-band code, no log line per call.
-        worker.handlers["gpu_stop"] = self._handle_stop
-        worker.handlers["gpu_renew"] = self._handle_renew
-        worker.handlers["gpu_running_for"] = self._handle_running_for
-        worker.handlers["gpu_inventory"] = self._handle_inventory
-        worker.handlers["gpu_end_warm"] = self._handle_end_warm
+        worker.handlers.update(gpu_stop=self._handle_stop, gpu_renew=self._handle_renew, gpu_end_warm=self._handle_end_warm,
+                               gpu_running_for=self._handle_running_for, gpu_inventory=self._handle_inventory)
+        from dask_gpu.worker.sandbox import Handover  # its steps import this module
+
+        self.handover = Handover(worker)  # runs the queue placed, handed over by the control plane (`gpu_run`)
         threading.Thread(target=self._expire_loop, name="dask-gpu-warm-expiry", daemon=True).start()
         # What it advertises, once; nothing is logged per poll (the handlers above log nothing).
         logger.info("GPU worker %s (%s): %s (%s); trusts %d control-plane key(s)", worker.name, worker.address,
@@ -287,6 +290,8 @@ class GPUWorkerPlugin(WorkerPlugin):
 
     def teardown(self, worker: Worker) -> None:
         self._closing.set()
+        if self.handover is not None:
+            self.handover.close()
         self.bodies.close()
         self._reaper.shutdown(wait=True)
         if self.results is not None:

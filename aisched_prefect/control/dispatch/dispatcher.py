@@ -24,6 +24,7 @@ from distributed import Client, Future, KilledWorker
 
 from aisched_prefect.control.admission.record import Admission, Readmitter
 from aisched_prefect.control.admission.capacity import CapacityWaits
+from aisched_prefect.control.dispatch.handover import HandedOver, Handovers
 from aisched_prefect.control.dispatch.losses import Losses, _scheduler_gone
 from aisched_prefect.control.dispatch.model_slots import ModelSlots
 from aisched_prefect.control.dispatch.queueing import Queueing
@@ -63,6 +64,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         self._inventories_at = 0.0
         self._inv_lock = threading.Lock()
         self._gang_lock = threading.Lock()  # queue off: one gang at a time looks for whole idle workers
+        self.handovers = Handovers(client)  # runs the queue placed, sent straight to their workers
         client.subscribe_topic(DIED_TOPIC, self._on_worker_died)  # the ticket registry names what a dead worker took
         self.warm = WarmBooks(ledger, self._bound, lambda bodies, why: end_warm(client, bodies, why),
                               patience=self.settle_patience())
@@ -197,6 +199,10 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
             finally:
                 for f in futures:
                     f.release()
+            if state.handed_over and not request.preemptible and isinstance(results[0], Outcome):
+                # Its worker freed its place (step 8) on its own stream to the scheduler, with the warm body parked
+                # there: a leave sent from here could pass that message and free the devices under the body.
+                state.queue_id = None
         except Lost as exc:
             return self._worker_died(state, exc)
         except BaseException as exc:  # cancelled, interrupted: outcome unknown, charge the hold
@@ -246,9 +252,12 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
             # the queue stopped it, so the control plane keeps that one.
             freed = state.queue_id if place is not None and not state.admission.request.preemptible else None
             warm_body = place.body if place is not None else None
+            body = body.model_copy(update={"devices": devices, "queue_key": freed, "warm_body": warm_body})
+            if place is not None and self.settings.hand_over_placed:  # the queue chose its worker: no Dask task
+                state.handed_over = True
+                return [self.handovers.send(place.workers[0], state.ticket, body, state.key)]
             return [self.client.submit(
-                run_ticketed, state.ticket, body.model_copy(update={"devices": devices, "queue_key": freed,
-                                                                    "warm_body": warm_body}), key=state.key,
+                run_ticketed, state.ticket, body, key=state.key,
                 resources=gpu_request.resources() or None, workers=place.workers if place is not None else workers,
                 allow_other_workers=False, pure=False)]
         assert place is not None
@@ -277,9 +286,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
             if len(results) == len(futures):
                 break
             if state.lost is not None:  # its worker is gone: whatever Dask does next, this attempt is over
-                self.client.cancel([f for f in futures if not f.done()], force=True)
-                if len(futures) > 1:
-                    request_stop(self.client, state.dask_keys)
+                self._stop_following(state, futures)
                 raise Lost(state.lost)
             if len(futures) > 1 and not stopping and any(_failed(r) for r in results.values()):
                 stopping = True  # one member failed: the gang cannot go on
@@ -287,6 +294,16 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
             state.wake.wait(5.0)
             state.wake.clear()
         return [results[i] for i in range(len(futures))]
+
+    def _stop_following(self, state: Running, futures: list[Any]) -> None:
+        """Its worker is lost: stop following its tasks, and stop its body wherever it may still run (a gang's other
+        members; a handed-over run whose connection broke while its worker lives on)."""
+        handed = [f for f in futures if isinstance(f, HandedOver)]
+        for f in handed:
+            f.cancel()
+        self.client.cancel([f for f in futures if not isinstance(f, HandedOver) and not f.done()], force=True)
+        if len(futures) > 1 or handed:
+            request_stop(self.client, state.dask_keys)
 
     def resubscribe(self) -> None:
         """After a reconnect: the worker-death events and the queue's answers again (a new scheduler knows neither),

@@ -45,7 +45,8 @@ class Losses:
     def check_stuck(self, running: dict[str, Running]) -> None:
         """The backstop of `_on_worker_died` (the watcher calls it): a run whose task waits in `no-worker` (pinned
         to a worker that died) or vanished from the scheduler is ended as lost, whatever events it missed."""
-        keys = {k: r for r in running.values() if r.dask_at is not None and r.lost is None for k in r.dask_keys}
+        keys = {k: r for r in running.values() if r.dask_at is not None and r.lost is None and not r.handed_over
+                for k in r.dask_keys}  # a handed-over run has no Dask task: its connection's end is its worker's
         if not keys:
             return
         try:

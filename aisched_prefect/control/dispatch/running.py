@@ -60,7 +60,8 @@ class Running:
     members: list[str] = field(default_factory=list)  # a gang's Dask keys, member 0 first (empty: `key` alone)
     placement: Placement | None = None  # where the queue (or the gang placement) put it
     ticket: Ticket | None = None
-    dask_at: float | None = None  # monotonic time it was handed to Dask
+    dask_at: float | None = None  # monotonic time it was handed to Dask (or straight to its worker)
+    handed_over: bool = False  # straight to the worker the queue placed it on: no Dask task to look for
     lost: dict[str, Any] | None = None  # the worker that died under it: worker, name, devices, keys
     wake: threading.Event = field(default_factory=threading.Event, repr=False)
     call_key: str = ""  # the control plane's key of the call it serves

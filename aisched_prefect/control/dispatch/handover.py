@@ -1,0 +1,106 @@
+"""A run the cluster's queue placed, handed straight to its worker (dask_gpu.worker.sandbox) instead of as a Dask task.
+
+Why: the queue already chose the worker and the devices, so the Dask task added only its state machine on the
+scheduler and the worker and a result fetched afterwards. The hand-over is one message on a TLS connection of the
+control plane's to that worker, and the `Outcome` comes back on it. `HandedOver` gives the dispatcher the
+face of a Dask future (done, a callback, the result), so a run is followed, stopped and settled as before; a
+connection that breaks under the run is the worker lost (`WorkerUnreachable`, a KilledWorker: the run's worker
+died, or cannot be reached, and its body is asked to stop wherever it still runs).
+
+A run holds its connection for as long as it runs, so hand-overs have a pool of their own (`Handovers`), not the
+Dask client's (512 connections, shared with fetching results): sized to half the process's open-file limit, a run
+past it waits for a connection instead of failing for want of a file descriptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from types import SimpleNamespace
+from typing import Any
+
+from distributed import Client, KilledWorker
+from distributed.core import ConnectionPool
+from distributed.protocol.serialize import to_serialize
+
+from dask_gpu.tickets import Ticket
+from dask_gpu.worker.sandbox import RUN_OP
+from dask_gpu.worker.records import Body, Outcome
+
+
+class WorkerUnreachable(KilledWorker):
+    """The connection to the worker of a handed-over run broke before its outcome came back."""
+
+    def __init__(self, key: str, address: str, cause: BaseException) -> None:
+        super().__init__(key, SimpleNamespace(address=address), 0)
+        self.cause = f"{type(cause).__name__}: {cause}"
+
+    def __str__(self) -> str:
+        return f"the connection to worker {self.last_worker.address} running {self.task!r} broke ({self.cause})"
+
+
+class Handovers:
+    """The control plane's connections to its workers for runs handed over, on its Dask client's event loop."""
+
+    def __init__(self, client: Client) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.limit = 1 << 16 if soft == resource.RLIM_INFINITY else max(64, soft // 2)
+        self.client = client
+        self.pool: ConnectionPool | None = None  # made on the loop by the first hand-over
+
+    def send(self, address: str, ticket: Ticket, body: Body, key: str) -> HandedOver:
+        """Hand run `key` to the worker at `address`; followed as a future."""
+        return HandedOver(self, address, ticket, body, key)
+
+    async def call(self, address: str, **msg: Any) -> Any:
+        if self.pool is None:  # on the loop: no await between the check and the pool's start
+            c = self.client
+            self.pool = ConnectionPool(limit=self.limit, connection_args=c.connection_args, deserialize=True,
+                                       serializers=c._serializers, deserializers=c._deserializers)
+            await self.pool.start()
+        return await getattr(self.pool(address), RUN_OP)(**msg)
+
+    def close(self) -> None:
+        """Its connections closed (the workers stop the bodies still running on them)."""
+        if self.pool is not None and self.client.status == "running":
+            self.client.sync(self.pool.close)
+
+
+class HandedOver:
+    """One run sent to its worker (`Handovers`); what `Dispatcher._await` follows."""
+
+    def __init__(self, handovers: Handovers, address: str, ticket: Ticket, body: Body, key: str) -> None:
+        self.key, self.address = key, address
+        self._future: Future = asyncio.run_coroutine_threadsafe(self._call(handovers, ticket, body),
+                                                                handovers.client.loop.asyncio_loop)
+
+    async def _call(self, handovers: Handovers, ticket: Ticket, body: Body) -> Outcome:
+        try:
+            out = await handovers.call(self.address, ticket=to_serialize(ticket), body=to_serialize(body), key=self.key)
+        except (OSError, EOFError) as exc:  # CommClosedError is an OSError: the worker died or cannot be reached
+            raise WorkerUnreachable(self.key, self.address, exc) from None
+        if not isinstance(out, Outcome):
+            raise TypeError(f"worker {self.address} answered {RUN_OP} for {self.key!r} with a "
+                            f"{type(out).__name__}, not an Outcome")
+        return out
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def result(self) -> Outcome:
+        try:
+            return self._future.result()
+        except CancelledError:
+            raise WorkerUnreachable(self.key, self.address, CancelledError("the control plane stopped following it")) from None
+
+    def cancel(self) -> None:
+        """Stop following it (the caller asks its worker to stop the body: a cancelled call does not)."""
+        self._future.cancel()
+
+    def release(self) -> None:
+        """Nothing to release: its outcome came back with the answer, nothing stays on the scheduler."""
