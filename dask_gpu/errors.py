@@ -41,3 +41,8 @@ class WorkerDied(DaskGPUError):
 
 class ShippedCodeTooLarge(DaskGPUError, ValueError):
     """A task's package is too large to travel with every call as source (the message names the limit and the fix)."""
+
+
+class RunFailedOnWorker(DaskGPUError):
+    """A run handed over to a worker failed there with an OS error (its body's set-up: a fork, a cgroup, a network
+    namespace); sent back as this, so its caller does not take it for its own connection to the worker breaking."""

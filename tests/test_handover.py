@@ -136,3 +136,4 @@ def test_only_the_control_plane_hands_a_run_over_and_only_a_ticket_and_a_body(cl
         with pytest.raises(TypeError, match="ticket must be a Ticket.*Fix"):
             sync(client.loop, send, "client", ticket=to_serialize({"id": "forged"}), body=None, key="x")
         assert list(client.run(_worker_callers).values()) == [[]]
+

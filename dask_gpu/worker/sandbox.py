@@ -38,6 +38,7 @@ from typing import Any
 from distributed.protocol.serialize import Serialize, to_serialize
 from distributed.worker import _worker_cvar
 
+from dask_gpu.errors import RunFailedOnWorker
 from dask_gpu.tickets import Ticket
 from dask_gpu.worker import life as steps
 from dask_gpu.worker.records import Body, BodyInfo, Outcome
@@ -82,15 +83,17 @@ class Handover:
     async def run(self, comm: Any, ticket: Any, body: Any, key: str) -> Serialize:
         """Run one admitted body under `key`; its Outcome, or what refused or stopped it (raised to the caller)."""
         ticket, body = _opened(ticket, Ticket, "ticket"), _opened(body, Body, "body")
-        if not isinstance(key, str) or not key or key in self.callers:
-            raise TypeError(f"gpu_run: key {key!r} must be a run's own key, not empty and not one running here. "
-                            "Fix: send the key the control plane follows the run by")
+        if not isinstance(key, str) or not ticket.run.endswith(f"/{key}") or key in self.callers:
+            raise TypeError(f"gpu_run: key {key!r} must be the key its ticket was signed for, and not one running "
+                            "here. Fix: send the key the control plane follows the run by")
         context = contextvars.copy_context()
         context.run(_worker_cvar.set, self.worker)  # get_worker() in the run's steps, as in a Dask task's thread
         self.callers[key] = (comm, ticket)
         try:
             outcome = await asyncio.get_running_loop().run_in_executor(
                 self.pool, partial(context.run, run_ticketed, ticket, body, key))
+        except (OSError, EOFError) as exc:  # the run's own failure here, not the caller's connection breaking
+            raise RunFailedOnWorker(f"{type(exc).__name__}: {exc}") from None
         finally:
             self.callers.pop(key, None)
         return to_serialize(outcome)

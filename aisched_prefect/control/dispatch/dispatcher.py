@@ -18,13 +18,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from typing import Any
 
 from distributed import Client, Future, KilledWorker
 
 from aisched_prefect.control.admission.record import Admission, Readmitter
 from aisched_prefect.control.admission.capacity import CapacityWaits
-from aisched_prefect.control.dispatch.handover import HandedOver, Handovers
+from aisched_prefect.control.dispatch.handover import HandedOver, Handovers, WorkerUnreachable
 from aisched_prefect.control.dispatch.losses import Losses, _scheduler_gone
 from aisched_prefect.control.dispatch.model_slots import ModelSlots
 from aisched_prefect.control.dispatch.queueing import Queueing
@@ -48,6 +49,9 @@ from dask_gpu.worker.sandbox import run_ticketed
 from dask_gpu.tickets import DIED_TOPIC, Ticket, TicketRejected, TicketSigner
 
 logger = logging.getLogger("aisched_prefect.control")
+# A handed-over run's connection broke: how long the scheduler's word (the worker left, or the scheduler is gone
+# too) is awaited before the worker is taken for lost on the connection's word alone.
+UNREACHABLE_GRACE_SECONDS = 2.0
 
 
 class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
@@ -284,6 +288,8 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
                 if i not in results and f.done():
                     results[i] = _result(f)  # fetched once (a finished task's result is still on its worker)
             if len(results) == len(futures):
+                if isinstance(results[0], WorkerUnreachable) and not self._worker_left(state):
+                    results[0] = CancelledError(f"scheduler-connection-lost: {results[0]}")  # as a Dask task's
                 break
             if state.lost is not None:  # its worker is gone: whatever Dask does next, this attempt is over
                 self._stop_following(state, futures)
@@ -304,6 +310,22 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         self.client.cancel([f for f in futures if not isinstance(f, HandedOver) and not f.done()], force=True)
         if len(futures) > 1 or handed:
             request_stop(self.client, state.dask_keys)
+
+    def _worker_left(self, state: Running) -> bool:
+        """A handed-over run's connection broke: whether its scheduler still stands (then the run's worker is lost,
+        and its body, if it lives on, is asked to stop), or went too (a scheduler outage: its workers go with it).
+        The scheduler's end reaches the client as its stream closes, at most a moment after the worker's."""
+        deadline = time.monotonic() + UNREACHABLE_GRACE_SECONDS
+        while state.lost is None and self.client.status == "running" and time.monotonic() < deadline:
+            state.wake.wait(0.05)
+            state.wake.clear()
+        if self.client.status != "running":
+            return False
+        try:
+            request_stop(self.client, state.dask_keys)
+        except Exception as exc:  # noqa: BLE001 - the body's lease, which only this plane renews, still ends it
+            logger.warning("could not ask the workers to stop %s: %s", state.key, exc)
+        return True
 
     def resubscribe(self) -> None:
         """After a reconnect: the worker-death events and the queue's answers again (a new scheduler knows neither),

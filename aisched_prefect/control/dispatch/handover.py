@@ -41,6 +41,10 @@ class WorkerUnreachable(KilledWorker):
         return f"the connection to worker {self.last_worker.address} running {self.task!r} broke ({self.cause})"
 
 
+class PlaneStopping(Exception):
+    """The control plane closed its connections to its workers (it stops) while this run was on one."""
+
+
 class Handovers:
     """The control plane's connections to its workers for runs handed over, on its Dask client's event loop."""
 
@@ -49,6 +53,7 @@ class Handovers:
         self.limit = 1 << 16 if soft == resource.RLIM_INFINITY else max(64, soft // 2)
         self.client = client
         self.pool: ConnectionPool | None = None  # made on the loop by the first hand-over
+        self.closing = False
 
     def send(self, address: str, ticket: Ticket, body: Body, key: str) -> HandedOver:
         """Hand run `key` to the worker at `address`; followed as a future."""
@@ -64,6 +69,7 @@ class Handovers:
 
     def close(self) -> None:
         """Its connections closed (the workers stop the bodies still running on them)."""
+        self.closing = True
         if self.pool is not None and self.client.status == "running":
             self.client.sync(self.pool.close)
 
@@ -79,7 +85,11 @@ class HandedOver:
     async def _call(self, handovers: Handovers, ticket: Ticket, body: Body) -> Outcome:
         try:
             out = await handovers.call(self.address, ticket=to_serialize(ticket), body=to_serialize(body), key=self.key)
-        except (OSError, EOFError) as exc:  # CommClosedError is an OSError: the worker died or cannot be reached
+        except PermissionError:  # the worker's gate refused the plane's certificate: not a connection breaking
+            raise
+        except (OSError, EOFError) as exc:  # CommClosedError is an OSError; the worker sends its own as another type
+            if handovers.closing:
+                raise PlaneStopping(f"the control plane stopped while this run was on worker {self.address}") from None
             raise WorkerUnreachable(self.key, self.address, exc) from None
         if not isinstance(out, Outcome):
             raise TypeError(f"worker {self.address} answered {RUN_OP} for {self.key!r} with a "

@@ -10,11 +10,12 @@ from typing import Any
 import cloudpickle
 from distributed import Client
 
+from aisched_prefect.control.dispatch.handover import PlaneStopping
 from aisched_prefect.control.dispatch.running import Lost, Running, base_payload, held_by_account
 from aisched_prefect.wire import Reply
 from dask_gpu import WorkerDied
 from dask_gpu.slurm.jobs import slurm_end
-from dask_gpu.tickets import STATES_OP, WHERE_OP
+from dask_gpu.tickets import LEFT_OP, STATES_OP, WHERE_OP
 
 logger = logging.getLogger("aisched_prefect.control")
 # A run handed to Dask whose key the scheduler still does not know after this long is lost (its worker took it
@@ -36,6 +37,9 @@ class Losses:
         with self.lock:
             for r in self.running.values():
                 hit = [k for k in r.dask_keys if k in keys]
+                if not hit and _handed_to(r, msg.get("worker")):  # no Dask task to be named by: where it was sent
+                    hit = list(r.dask_keys)
+                    devices.setdefault(hit[0], _placed_devices(r))
                 if hit and r.lost is None:
                     r.lost = {"worker": msg.get("worker"), "name": msg.get("name"), "keys": hit,
                               "devices": [d for k in hit for d in devices.get(k, [])], "expected": msg.get("expected"),
@@ -45,8 +49,9 @@ class Losses:
     def check_stuck(self, running: dict[str, Running]) -> None:
         """The backstop of `_on_worker_died` (the watcher calls it): a run whose task waits in `no-worker` (pinned
         to a worker that died) or vanished from the scheduler is ended as lost, whatever events it missed."""
+        self._check_handed_over(running)
         keys = {k: r for r in running.values() if r.dask_at is not None and r.lost is None and not r.handed_over
-                for k in r.dask_keys}  # a handed-over run has no Dask task: its connection's end is its worker's
+                for k in r.dask_keys}  # a handed-over run has no Dask task: its worker's leave is checked above
         if not keys:
             return
         try:
@@ -62,6 +67,24 @@ class Losses:
                 r.lost = {"worker": member.get("worker"), "name": member.get("name"), "keys": [key],
                           "devices": member.get("devices", []), "found": st["state"] if st else "gone",
                           **({"slurm_job": member["slurm_job"]} if member.get("slurm_job") else {})}
+                r.wake.set()
+
+    def _check_handed_over(self, running: dict[str, Running]) -> None:
+        """A handed-over run whose worker left the cluster is lost, even where its connection still stands (a
+        stopped or deadlocked worker process: its host still answers TCP)."""
+        handed = [r for r in running.values() if r.handed_over and r.lost is None and r.placement is not None]
+        if not handed:
+            return
+        try:
+            left = self.client.sync(getattr(self.client.scheduler, LEFT_OP))
+        except Exception:  # a scheduler without the registry: its connection's end is all there is
+            return
+        for r in handed:
+            assert r.placement is not None
+            gone = left.get(r.placement.workers[0])  # after its ticket was issued: not an earlier worker there
+            if gone is not None and r.ticket is not None and gone >= r.ticket.issued_at:
+                r.lost = {"worker": r.placement.workers[0], "name": None, "keys": list(r.dask_keys),
+                          "devices": _placed_devices(r), "found": "left"}
                 r.wake.set()
 
     def _where(self, state: Running) -> dict[str, Any]:
@@ -139,14 +162,27 @@ class Losses:
         message = (f"the Dask scheduler ({address}) was lost while this run was on the cluster "
                    f"({type(exc).__name__}); it was charged for at most {ran:.1f}s. Fix: retry it (retries=), and "
                    "run the scheduler under a supervisor that restarts it")
-        self.settle(state, charges, {"outcome": "scheduler-lost", "error": message, "seconds": ran, "charges": charges})
+        if isinstance(exc, PlaneStopping):
+            message = f"{exc}; it was charged for at most {ran:.1f}s. Fix: retry it (retries=) once the plane is back"
+        outcome = "plane-stopped" if isinstance(exc, PlaneStopping) else "scheduler-lost"
+        self.settle(state, charges, {"outcome": outcome, "error": message, "seconds": ran, "charges": charges})
         logger.warning("AI task %s: %s", adm.task_name, message)
         return Reply(status="failed", admission=adm.id, error_type="aisched_prefect.errors.SchedulerLost",
                      error_message=message), cloudpickle.dumps(SchedulerLost(message))
 
 
 def _scheduler_gone(exc: BaseException, client: Client) -> bool:
-    """Whether `exc` is Dask cancelling a run because the client lost its scheduler (not a stop of ours)."""
-    return "scheduler-connection-lost" in f"{exc!r} {exc}" or (
+    """Whether `exc` is Dask cancelling a run because the client lost its scheduler (not a stop of ours), or the
+    plane stopping under a run it handed over."""
+    return isinstance(exc, PlaneStopping) or "scheduler-connection-lost" in f"{exc!r} {exc}" or (
         type(exc).__name__ in ("CancelledError", "FutureCancelledError") and client.status != "running")
 
+
+def _handed_to(r: Running, worker: str | None) -> bool:
+    """Whether `worker` is the one run `r` was handed to (a handed-over run has no Dask task to be named by)."""
+    return bool(r.handed_over and worker and r.placement is not None and r.placement.workers[0] == worker)
+
+
+def _placed_devices(r: Running) -> list[str]:
+    """The devices the queue placed run `r` on (its worker's, for a run that is not a gang)."""
+    return list(r.placement.devices[0]) if r.placement is not None and r.placement.devices else []

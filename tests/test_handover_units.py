@@ -1,0 +1,53 @@
+"""A run handed straight to its worker, as the control plane follows it: its worker's leave or death ends it, whatever
+its connection says (units: no cluster, no server; tests/test_handover.py runs it on real processes)."""
+
+from __future__ import annotations
+
+
+def _handed_run(worker: str, issued_at: float):
+    """A run handed over to `worker` (devices 2 and 3), as the dispatcher's table holds it."""
+    from types import SimpleNamespace
+
+    from aisched_prefect.control.dispatch.running import Placement, Running
+
+    r = Running(admission=None, key="aisched-k1", holds=[], covered_seconds=60.0, submitted=0.0)  # type: ignore[arg-type]
+    r.placement, r.handed_over, r.dask_at = Placement(workers=[worker], devices=[["2", "3"]]), True, 1.0
+    r.ticket = SimpleNamespace(issued_at=issued_at)  # type: ignore[assignment]
+    return r
+
+
+class _Plane:
+    """The dispatcher's loss-finding part over a scheduler that answers which workers left, and when."""
+
+    def __init__(self, left: dict[str, float]) -> None:
+        import threading
+        from types import SimpleNamespace
+
+        from aisched_prefect.control.dispatch.losses import Losses
+
+        self.losses = type("L", (Losses,), {})()
+        self.losses.client = SimpleNamespace(sync=lambda op, **kw: op(**kw), scheduler=SimpleNamespace(
+            gpu_workers_left=lambda: left, gpu_task_states=lambda keys: {}))
+        self.losses.lock = threading.Lock()
+        self.losses.warm = SimpleNamespace(worker_died=lambda *a: None)
+
+
+def test_a_handed_over_run_whose_worker_left_is_lost_though_its_connection_stands():
+    """A stopped or deadlocked worker keeps its TCP connection up; the scheduler's word that it left ends the run."""
+    plane = _Plane({"tls://10.0.0.5:4000": 100.0, "tls://10.0.0.6:4000": 50.0})
+    gone, earlier, elsewhere = (_handed_run("tls://10.0.0.5:4000", 90.0), _handed_run("tls://10.0.0.6:4000", 90.0),
+                                _handed_run("tls://10.0.0.7:4000", 90.0))
+    plane.losses.check_stuck({"a": gone, "b": earlier, "c": elsewhere})
+    assert gone.lost == {"worker": "tls://10.0.0.5:4000", "name": None, "keys": ["aisched-k1"], "devices": ["2", "3"],
+                         "found": "left"} and gone.wake.is_set()
+    assert earlier.lost is None  # a worker at that address left before this run was handed to the one there now
+    assert elsewhere.lost is None
+
+
+def test_a_workers_death_names_the_runs_handed_to_it_with_their_devices():
+    plane = _Plane({})
+    on_it, other = _handed_run("tls://10.0.0.5:4000", 1.0), _handed_run("tls://10.0.0.6:4000", 1.0)
+    plane.losses.running = {"a": on_it, "b": other}
+    plane.losses._on_worker_died((0.0, {"worker": "tls://10.0.0.5:4000", "name": "gpu-5", "runs": [], "keys": []}))
+    assert on_it.lost is not None and on_it.lost["name"] == "gpu-5" and on_it.lost["devices"] == ["2", "3"]
+    assert other.lost is None
