@@ -302,7 +302,9 @@ class TicketRegistry(SchedulerPlugin):
     def _worker_died(self, worker: str, processing: set, expected: bool) -> None:
         """Every worker that leaves is told, whatever ran on it: one with only idle warm bodies took their device
         shares and idle time with it, and the control plane settles that time to now."""
-        runs = [dict(v, ticket=t) for (t, _), v in self._where.items() if v["worker"] == worker and v["key"] in processing]
+        # Every run redeemed there whose ticket is live: one handed over straight to the worker is no Dask task
+        # the scheduler was processing (its caller keeps only those it still follows).
+        runs = [dict(v, ticket=t) for (t, _), v in self._where.items() if v["worker"] == worker]
         keys = sorted(str(k) for k in processing if str(k).startswith(KEY_PREFIX))
         now = time.time()
         self._left[worker] = now

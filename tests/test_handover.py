@@ -133,7 +133,9 @@ def test_only_the_control_plane_hands_a_run_over_and_only_a_ticket_and_a_body(cl
         with pytest.raises(PermissionError, match="refuses .gpu_run. from a peer presenting"):
             sync(client.loop, send, "cluster", ticket=None, body=None, key="x")
         # The plane's certificate with something that is not a ticket: refused by type, nothing run.
-        with pytest.raises(TypeError, match="ticket must be a Ticket.*Fix"):
+        from dask_gpu.tickets import TicketRejected
+
+        with pytest.raises(TicketRejected, match="ticket must be a Ticket.*Fix"):
             sync(client.loop, send, "client", ticket=to_serialize({"id": "forged"}), body=None, key="x")
         assert list(client.run(_worker_callers).values()) == [[]]
 

@@ -51,3 +51,86 @@ def test_a_workers_death_names_the_runs_handed_to_it_with_their_devices():
     plane.losses._on_worker_died((0.0, {"worker": "tls://10.0.0.5:4000", "name": "gpu-5", "runs": [], "keys": []}))
     assert on_it.lost is not None and on_it.lost["name"] == "gpu-5" and on_it.lost["devices"] == ["2", "3"]
     assert other.lost is None
+
+
+class _Worker:
+    """A Dask server on 127.0.0.1 in a loop thread of its own, answering `gpu_run` as `handler` says (None: it has
+    no such handler, as a worker older than the hand-over), and the plane's `Handovers` to it."""
+
+    def __init__(self, handler=None) -> None:
+        import asyncio
+        import threading
+        from types import SimpleNamespace
+
+        from distributed.core import Server
+
+        from aisched_prefect.control.dispatch.handover import Handovers
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+        async def start():
+            server = Server({"gpu_run": handler} if handler else {})
+            await server.listen("tcp://127.0.0.1:0")
+            return server
+
+        self.server = self.run(start())
+        client = SimpleNamespace(loop=SimpleNamespace(asyncio_loop=self.loop), connection_args={}, _serializers=None,
+                                 _deserializers=None, status="running", sync=lambda f: self.run(f()))
+        self.handovers = Handovers(client)
+
+    def run(self, coro):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def send(self):
+        return self.handovers.send(self.server.address, ticket={"t": 1}, body={"b": 1}, key="aisched-k1")  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.run(self.server.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_worker_without_the_hand_over_refuses_the_run_by_name():
+    import pytest
+
+    from dask_gpu.tickets import TicketRejected
+
+    worker = _Worker()
+    try:
+        with pytest.raises(TicketRejected, match="older than this control plane. Fix: .*AISCHED_HAND_OVER_PLACED=false"):
+            worker.send().result()
+    finally:
+        worker.close()
+
+
+def test_a_connection_that_breaks_under_a_run_is_its_worker_lost_unless_the_plane_is_stopping():
+    import asyncio
+
+    import pytest
+    from distributed import KilledWorker
+
+    from aisched_prefect.control.dispatch.handover import PlaneStopping, WorkerUnreachable
+    from tests.helpers import wait_until
+
+    calls: list = []
+
+    async def hang_up(comm, **msg):
+        calls.append(msg["key"])
+        if len(calls) == 1:
+            comm.abort()  # the worker's end goes away mid-run
+        await asyncio.Event().wait()  # the second run runs on until its caller goes
+
+    worker = _Worker(hang_up)
+    try:
+        with pytest.raises(WorkerUnreachable, match="the connection to worker tcp://127.0.0.1:.* running 'aisched-k1' broke") as exc:
+            worker.send().result()
+        assert isinstance(exc.value, KilledWorker)  # settled as the worker dying, as a Dask task's would be
+        waiting = worker.send()
+        wait_until(lambda: len(calls) == 2, 30, "the second run on its worker")
+        worker.handovers.close()  # the plane stops while a run waits on its worker
+        with pytest.raises(PlaneStopping, match="the control plane stopped while this run was on worker"):
+            waiting.result()
+    finally:
+        worker.close()

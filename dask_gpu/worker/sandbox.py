@@ -39,7 +39,7 @@ from distributed.protocol.serialize import Serialize, to_serialize
 from distributed.worker import _worker_cvar
 
 from dask_gpu.errors import RunFailedOnWorker
-from dask_gpu.tickets import Ticket
+from dask_gpu.tickets import Ticket, TicketRejected
 from dask_gpu.worker import life as steps
 from dask_gpu.worker.records import Body, BodyInfo, Outcome
 
@@ -84,8 +84,8 @@ class Handover:
         """Run one admitted body under `key`; its Outcome, or what refused or stopped it (raised to the caller)."""
         ticket, body = _opened(ticket, Ticket, "ticket"), _opened(body, Body, "body")
         if not isinstance(key, str) or not ticket.run.endswith(f"/{key}") or key in self.callers:
-            raise TypeError(f"gpu_run: key {key!r} must be the key its ticket was signed for, and not one running "
-                            "here. Fix: send the key the control plane follows the run by")
+            raise TicketRejected(f"gpu_run: key {key!r} must be the key its ticket was signed for, and not one "
+                                 "running here. Fix: send the key the control plane follows the run by")
         context = contextvars.copy_context()
         context.run(_worker_cvar.set, self.worker)  # get_worker() in the run's steps, as in a Dask task's thread
         self.callers[key] = (comm, ticket)
@@ -115,6 +115,6 @@ def _opened(value: Any, kind: type, name: str) -> Any:
     if isinstance(value, Serialize):
         value = value.data
     if not isinstance(value, kind):
-        raise TypeError(f"gpu_run: {name} must be a {kind.__name__}, not {type(value).__name__}. Fix: send it "
-                        "with distributed's to_serialize")
+        raise TicketRejected(f"gpu_run: {name} must be a {kind.__name__}, not {type(value).__name__}. Fix: send "
+                             "it with distributed's to_serialize")
     return value

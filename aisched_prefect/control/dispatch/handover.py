@@ -25,7 +25,7 @@ from distributed import Client, KilledWorker
 from distributed.core import ConnectionPool
 from distributed.protocol.serialize import to_serialize
 
-from dask_gpu.tickets import Ticket
+from dask_gpu.tickets import Ticket, TicketRejected
 from dask_gpu.worker.sandbox import RUN_OP
 from dask_gpu.worker.records import Body, Outcome
 
@@ -85,15 +85,16 @@ class HandedOver:
     async def _call(self, handovers: Handovers, ticket: Ticket, body: Body) -> Outcome:
         try:
             out = await handovers.call(self.address, ticket=to_serialize(ticket), body=to_serialize(body), key=self.key)
-        except PermissionError:  # the worker's gate refused the plane's certificate: not a connection breaking
-            raise
+        except PermissionError as exc:  # the worker's gate refused it: nothing ran, nothing is charged
+            raise TicketRejected(f"worker {self.address} refused the hand-over of {self.key!r}: {exc}") from None
         except (OSError, EOFError) as exc:  # CommClosedError is an OSError; the worker sends its own as another type
             if handovers.closing:
                 raise PlaneStopping(f"the control plane stopped while this run was on worker {self.address}") from None
             raise WorkerUnreachable(self.key, self.address, exc) from None
-        if not isinstance(out, Outcome):
-            raise TypeError(f"worker {self.address} answered {RUN_OP} for {self.key!r} with a "
-                            f"{type(out).__name__}, not an Outcome")
+        if not isinstance(out, Outcome):  # a worker with no such handler answers None: it ran nothing
+            raise TicketRejected(f"worker {self.address} answered {RUN_OP} for {self.key!r} with a "
+                                 f"{type(out).__name__}, not an Outcome: it is older than this control plane. Fix: "
+                                 "upgrade the worker, or set AISCHED_HAND_OVER_PLACED=false")
         return out
 
     def done(self) -> bool:
