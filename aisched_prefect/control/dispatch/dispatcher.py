@@ -248,7 +248,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         """Submit the run to Dask with its ticket: one task, or one per gang member on its worker."""
         place = state.placement
         if not gang:
-            devices = place.devices[0] if place is not None and place.devices else None
+            devices = list(place.devices[0]) if place is not None and place.devices else None  # a list, as Body says
             state.ticket = self._ticket(state.admission, state.key,
                                         workers=place.workers if place is not None else workers)
             state.dask_at = time.monotonic()
@@ -270,7 +270,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         state.members = [f"{state.key}-m{i}" for i in range(len(place.workers))]
         state.dask_at = time.monotonic()
         return [self.client.submit(
-            run_ticketed, ticket, body.model_copy(update={"member": i, "devices": place.devices[i] if place.devices else None}),
+            run_ticketed, ticket, body.model_copy(update={"member": i, "devices": list(place.devices[i]) if place.devices else None}),
             key=state.members[i], resources=gpu_request.member(shares[i]).resources() or None, workers=[worker],
             allow_other_workers=False, pure=False) for i, worker in enumerate(place.workers)]
 
