@@ -62,7 +62,7 @@ class GPUWorkerPlugin(WorkerPlugin):
         self.queue = QueueMessages()  # what the cluster's queue is told: runs freed, warm bodies ended
         self._closing = threading.Event()
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dask-gpu-reaper")
-        self.handover: Any = None  # the `gpu_run` handler, installed at setup (dask_gpu.worker.sandbox.Handover)
+        self.handover: Any = None  # the `gpu_run` handler (dask_gpu.worker.sandbox.Handover), set by the preload
 
     def stop_event(self, key: str) -> threading.Event:
         """The event that asks task `key` to stop; it may be set before the task starts."""
@@ -264,9 +264,6 @@ class GPUWorkerPlugin(WorkerPlugin):
         # The control plane reaches workers through the scheduler's broadcast: no out-of-band code, no log line per call.
         worker.handlers.update(gpu_stop=self._handle_stop, gpu_renew=self._handle_renew, gpu_end_warm=self._handle_end_warm,
                                gpu_running_for=self._handle_running_for, gpu_inventory=self._handle_inventory)
-        from dask_gpu.worker.sandbox import Handover  # its steps import this module
-
-        self.handover = Handover(worker)  # runs the queue placed, handed over by the control plane (`gpu_run`)
         threading.Thread(target=self._expire_loop, name="dask-gpu-warm-expiry", daemon=True).start()
         # What it advertises, once; nothing is logged per poll (the handlers above log nothing).
         logger.info("GPU worker %s (%s): %s (%s); trusts %d control-plane key(s)", worker.name, worker.address,

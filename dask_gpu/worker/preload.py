@@ -19,6 +19,7 @@ from dask_gpu.gate import gate_worker
 from dask_gpu.inventory import discover
 from dask_gpu.isolation import plan_for
 from dask_gpu.worker.plugin import PLUGIN_NAME, GPUWorkerPlugin
+from dask_gpu.worker.sandbox import Handover
 from dask_gpu.tickets import trusted_keys_from_env
 
 
@@ -35,5 +36,8 @@ async def dask_setup(worker: Worker) -> None:
             worker.state.total_resources[name] = quantity
             worker.state.available_resources[name] = quantity - held
         await worker.plugin_add(GPUWorkerPlugin(inventory, trusted_keys_from_env()), name=PLUGIN_NAME)
+        # Runs the queue placed, handed over by the control plane (`gpu_run`); installed here, beside the plugin,
+        # because the pass it runs imports the plugin.
+        worker.plugins[PLUGIN_NAME].handover = Handover(worker)
     finally:  # whatever failed above: on TLS only the scheduler and the control plane may run code or read data here
         gate_worker(worker)
