@@ -52,7 +52,7 @@ _WHERE = {
     "current_worker": "dask_gpu",
     "current_worker_name": "dask_gpu",
     "run_subprocess": "dask_gpu",
-    "TicketRejected": "dask_gpu.tickets",
+    "TicketRejected": "dask_gpu.errors",
 }
 
 __all__ = sorted(_WHERE)
@@ -85,4 +85,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from aisched_prefect.usage import ReportedUsage, report_usage
     from aisched_prefect.wire import ApprovalView
     from dask_gpu import checkpoint, current_devices, current_worker, current_worker_name, run_subprocess
-    from dask_gpu.tickets import TicketRejected
+    from dask_gpu.errors import TicketRejected

@@ -23,10 +23,8 @@ _FROM = {
         "StopRequested WorkerDied"
     ),
     "dask_gpu.body.current": "checkpoint current_devices stop_requested",
-    "dask_gpu.worker.execute": (
-        "DeviceRun current_worker current_worker_name gpu_env hold_devices run_subprocess "
-        "run_with_devices submit"
-    ),
+    "dask_gpu.body.placement": "current_worker current_worker_name gpu_env run_subprocess",
+    "dask_gpu.worker.execute": "DeviceRun hold_devices run_with_devices submit",
     "dask_gpu.inventory": (
         "DECLARED_ENV GPUDevice WorkerInventory declared_worker_inventories discover "
         "nvml_inventory parse_declared"
@@ -52,10 +50,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         WorkerDied,
     )
     from dask_gpu.body.current import checkpoint, current_devices, stop_requested
-    from dask_gpu.worker.execute import (
-        DeviceRun, current_worker, current_worker_name, gpu_env, hold_devices, run_subprocess, run_with_devices,
-        submit,
-    )
+    from dask_gpu.body.placement import current_worker, current_worker_name, gpu_env, run_subprocess
+    from dask_gpu.worker.execute import DeviceRun, hold_devices, run_with_devices, submit
     from dask_gpu.inventory import (
         DECLARED_ENV, GPUDevice, WorkerInventory, declared_worker_inventories, discover, nvml_inventory,
         parse_declared,

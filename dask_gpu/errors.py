@@ -7,6 +7,11 @@ class DaskGPUError(Exception):
     """Base class for every error raised by dask_gpu."""
 
 
+class TicketRejected(DaskGPUError):
+    """A worker refused to run a body: its ticket is missing, untrusted, altered, expired or already used.
+    (Here, not beside the tickets: a flow's process catches it and must not import Dask to do so.)"""
+
+
 class InventorySpecError(DaskGPUError, ValueError):
     """A declared GPU inventory could not be parsed."""
 

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from distributed.diagnostics.plugin import SchedulerPlugin
 from pydantic import BaseModel, ConfigDict, Field
 
-from dask_gpu.errors import DaskGPUError
+from dask_gpu.errors import TicketRejected  # noqa: F401 (where it was: it lives in errors now)
 from dask_gpu.request import GPURequest
 
 TRUSTED_KEYS_ENV = "DASK_GPU_TRUSTED_KEYS"
@@ -45,10 +45,6 @@ DIED_TOPIC = "aisched-worker-died"  # the registry's event: a worker left (with 
 LEFT_OP = "gpu_workers_left"  # when each worker that left did (a control plane that was away asks)
 LEFT_KEPT = 4096
 KEY_PREFIX = "aisched-"  # the Dask keys of admitted runs
-
-
-class TicketRejected(DaskGPUError):
-    """A worker refused to run a body: its ticket is missing, untrusted, altered, expired or already used."""
 
 
 class Ticket(BaseModel):

@@ -79,3 +79,19 @@ def test_a_fresh_body_imports_no_installed_module_its_zygote_was_asked_for(flow_
     # What is left is what Prefect's lazy attributes load (`from prefect import flow` imports prefect.main): a few
     # small modules (36 ms of CPU in the batch-inference example's body, against 0.9 s before).
     assert len(late) <= 30, late
+
+
+def test_a_flows_module_and_its_bodys_helpers_import_no_dask():
+    """The batch-inference example's module, and what a body calls (its worker's name, its devices, a subprocess that
+    sees them, a refused ticket to catch), load no `distributed`: it was a second of imports in every tenant's zygote
+    and in every flow process, for names a body reads from its environment."""
+    import subprocess
+
+    code = ("import sys, flows.batch_inference\n"
+            "from aisched_prefect import AISchedTaskRunner, TicketRejected, ai_task, current_devices, "
+            "current_worker_name, run_subprocess\n"
+            "from dask_gpu import checkpoint, current_worker, gpu_env\n"
+            "print(sorted(m for m in ('distributed', 'dask', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(__import__("pathlib").Path(__file__).parent.parent)).stdout.strip()
+    assert out == "[]"

@@ -18,7 +18,7 @@ from prefect.client.schemas.objects import State, TaskRun
 
 from aisched_prefect.errors import AdmissionDenied, InvalidAIRequest, NoAdmissionContext
 from aisched_prefect.flow.approval_wait import ApprovalSuspended
-from dask_gpu.tickets import TicketRejected
+from dask_gpu.errors import TicketRejected
 from aisched_prefect.request import AIRequest
 from aisched_prefect.flow.taskcontext import SYNC_TASK_ATTR, as_sync, call_context
 
