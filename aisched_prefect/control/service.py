@@ -44,7 +44,7 @@ from aisched_prefect.control.outcomes import OutcomeBook
 from aisched_prefect.control.admission.pipeline import Pipeline
 from aisched_prefect.control.reports import Reports
 from aisched_prefect.control.runs import Runs, abandon_waiting
-from aisched_prefect.control.dispatch.scheduler_link import SchedulerLink, connect, install
+from aisched_prefect.control.dispatch.scheduler_link import EarlyCluster, SchedulerLink, connect, install
 from aisched_prefect.control.dispatch.settlement import emit_budget_alert
 from aisched_prefect.control.authority.state import AuthorityState
 from aisched_prefect.control.dispatch.watcher import Watcher
@@ -61,7 +61,8 @@ class ControlPlane:
 
     def __init__(self, settings: Settings, *, dask_address: str | None = None, declared: str | None = None,
                  queue: bool = True, base_url: str = "", checkpoint_dir: Path | None = None,
-                 key_path: Path | None = None, replica: str | None = None, dask_tls: Path | None = None) -> None:
+                 key_path: Path | None = None, replica: str | None = None, dask_tls: Path | None = None,
+                 early: EarlyCluster | None = None) -> None:
         self.settings = settings
         self.base_url = base_url
         self.replica = replica or f"{os.uname().nodename}-{os.getpid()}"
@@ -72,6 +73,8 @@ class ControlPlane:
         self.queue = queue
         self._stack = ExitStack()
         try:
+            if early is not None:  # a plane that fails before it takes the cluster stops it (a no-op once taken)
+                self._stack.callback(early.close)
             self.key = load_or_make_key(key_path or settings.home / "control.key")
             self.signer = TicketSigner(self.key)
             # Every record it writes is signed: a record in its log that it did not write is told apart.
@@ -81,8 +84,11 @@ class ControlPlane:
             self.state = AuthorityState(self.ledger, trusted=[self.signer.public_key])
             self.state.refresh()
             self._stack.callback(self._mark)  # as it stops, after its last records: the next plane starts there
-            self.client, self.cluster = connect(settings, self._stack, dask_address=dask_address, declared=declared,
-                                                dask_tls=dask_tls, trusted_key=self.public_key)
+            if early is not None:  # the local cluster the server began before importing this module
+                self.client, self.cluster = early.take(self._stack, self.public_key)
+            else:
+                self.client, self.cluster = connect(settings, self._stack, dask_address=dask_address,
+                                                    declared=declared, dask_tls=dask_tls, trusted_key=self.public_key)
             install(self.client, self.state, queue=queue)
             self.dispatcher = Dispatcher(self.client, self.signer, self.ledger, self.state, settings, queue=queue)
             self._stack.callback(self.dispatcher.warm.close)  # before the client closes: bodies end, idle time settled

@@ -14,17 +14,20 @@ import logging
 import threading
 import time
 import types
+from concurrent.futures import Future
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aisched_prefect.control.dispatch.dispatcher import Dispatcher
-from aisched_prefect.control.authority.state import AuthorityState
-from aisched_prefect.settings import Settings
 from dask_gpu import LocalGPUCluster
 from dask_gpu.scheduler.limits import install_limits
 from dask_gpu.security import ClusterTLS
 from dask_gpu.tickets import install_registry
+
+if TYPE_CHECKING:  # names only: the server imports this module first, to start the local cluster before the rest
+    from aisched_prefect.control.authority.state import AuthorityState
+    from aisched_prefect.control.dispatch.dispatcher import Dispatcher
+    from aisched_prefect.settings import Settings
 
 logger = logging.getLogger("aisched_prefect.control")
 
@@ -55,6 +58,45 @@ def connect(settings: Settings, stack: ExitStack, *, dask_address: str | None, d
     client._timeout = settings.scheduler_reconnect_seconds
     client._reconnect = types.MethodType(reconnect_promptly, client)  # type: ignore[method-assign]
     return client, cluster
+
+
+class EarlyCluster:
+    """The local cluster `connect` starts, begun on a thread of its own before the plane imports the rest of itself:
+    its scheduler's and workers' processes start (seconds of imports each) while the plane's own imports run, not
+    after them. `take` hands the client and cluster to the plane, with what closes them."""
+
+    def __init__(self, settings: Settings, *, declared: str | None, dask_tls: Path | None, trusted_key: str) -> None:
+        self.trusted_key = trusted_key
+        self._stack = ExitStack()
+        self._result: Future = Future()
+        threading.Thread(target=self._start, args=(settings, declared, dask_tls), name="aisched-cluster-start",
+                         daemon=True).start()
+
+    def _start(self, settings: Settings, declared: str | None, dask_tls: Path | None) -> None:
+        try:
+            self._result.set_result(connect(settings, self._stack, dask_address=None, declared=declared,
+                                            dask_tls=dask_tls, trusted_key=self.trusted_key))
+        except BaseException as exc:  # raised where the plane takes it
+            self._stack.close()
+            self._result.set_exception(exc)
+
+    def take(self, stack: ExitStack, trusted_key: str) -> tuple[Any, LocalGPUCluster | None]:
+        """The client and its cluster, closed by `stack`; its workers trust `trusted_key` (the plane's) or this
+        raises."""
+        if trusted_key != self.trusted_key:
+            self.close()
+            raise ValueError("the local cluster was started trusting another key than this control plane's")
+        client, cluster = self._result.result()
+        stack.push(self._stack)
+        return client, cluster
+
+    def close(self) -> None:
+        """Not taken (the plane failed to start): its cluster stops."""
+        try:
+            self._result.result()
+        except BaseException:
+            return
+        self._stack.close()
 
 
 async def reconnect_promptly(client: Any) -> None:
