@@ -73,8 +73,11 @@ def _within(n: int, limit: int | None) -> None:
 
 
 def wait_readable(sock: socket.socket, seconds: float) -> bool:
-    ready, _, _ = select.select([sock], [], [], seconds)
-    return bool(ready)
+    """Whether `sock` has bytes (or its end) within `seconds`; poll(), not select(): a busy worker's descriptors pass
+    select()'s 1,024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(0, int(seconds * 1000))))
 
 
 HANDOFF_FROM = 1 << 20  # a body's result at least this large is handed over in a sealed memory file

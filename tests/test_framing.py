@@ -139,3 +139,23 @@ def test_a_sealed_memory_file_past_the_limit_is_refused_unmapped():
     fd = _memfd(b"x" * 4096)
     _refused(lambda a: socket.send_fds(a, [struct.pack(">Q", 4096)], [fd]), [fd], limit=4095, error=MessageTooLarge)
     os.close(fd)
+
+
+def test_waiting_for_bytes_works_on_a_descriptor_past_1024():
+    """select() refuses a descriptor of 1,024 or more; a busy worker's body sockets get there."""
+    import os
+    import socket
+
+    from dask_gpu.framing import wait_readable
+
+    a, b = socket.socketpair()
+    high = os.dup2(a.fileno(), 1500)
+    far = socket.socket(fileno=high)
+    try:
+        assert not wait_readable(far, 0.01)
+        b.sendall(b"x")
+        assert wait_readable(far, 5)
+    finally:
+        far.close()
+        a.close()
+        b.close()

@@ -134,3 +134,22 @@ def test_a_connection_that_breaks_under_a_run_is_its_worker_lost_unless_the_plan
             waiting.result()
     finally:
         worker.close()
+
+
+def test_the_plane_raises_its_open_file_limit_and_sizes_hand_overs_past_the_dask_clients_connections():
+    """A soft limit of 1,024 (a common default) with a pool of half of it and the Dask client's 512 left the plane
+    no descriptor for a flow's connection: the limit is raised to the hard one, and the pool leaves the rest room."""
+    import subprocess
+    import sys
+
+    code = ("import resource; from aisched_prefect.control.dispatch.handover import open_files_limit, pool_size\n"
+            "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+            "got = open_files_limit()\n"
+            "print(got == hard, resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard, pool_size(got) >= 64)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "True"]
+    from aisched_prefect.control.dispatch.handover import CLIENT_CONNECTIONS, RESERVED_FILES, pool_size
+
+    for soft in (1024, 2048, 20000):
+        assert pool_size(soft) >= 64 and 2 * pool_size(soft) + CLIENT_CONNECTIONS + RESERVED_FILES <= max(soft, 1216)

@@ -8,8 +8,11 @@ connection that breaks under the run is the worker lost (`WorkerUnreachable`, a 
 died, or cannot be reached, and its body is asked to stop wherever it still runs).
 
 A run holds its connection for as long as it runs, so hand-overs have a pool of their own (`Handovers`), not the
-Dask client's (512 connections, shared with fetching results): sized to half the process's open-file limit, a run
-past it waits for a connection instead of failing for want of a file descriptor.
+Dask client's (512 connections, shared with fetching results). The plane first raises its soft open-file limit to
+the hard one (as Ray's processes do: the common soft 1,024 would end a map of a few hundred runs on EMFILE, which
+reads as the worker lost), then sizes the pool to half of what is left after the Dask client's connections and a
+reserve for flows' HTTP connections and the ledger: a run past it waits for a connection instead of failing for
+want of a file descriptor.
 """
 
 from __future__ import annotations
@@ -45,12 +48,38 @@ class PlaneStopping(Exception):
     """The control plane closed its connections to its workers (it stops) while this run was on one."""
 
 
+CLIENT_CONNECTIONS = 512  # the Dask client's own pool (distributed.Client's connection_limit)
+RESERVED_FILES = 512  # flows' HTTP connections, the ledger's files, logs: what the plane needs besides its pools
+
+
+def open_files_limit() -> int:
+    """The process's soft open-file limit, raised to its hard limit first (an unprivileged process may)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # a hard limit past the kernel's nr_open: keep the soft one
+            pass
+    return soft
+
+
+def pool_size(soft: int) -> int:
+    """How many hand-overs may hold a connection at once under a soft open-file limit of `soft`.
+
+    >>> pool_size(1024), pool_size(4096), pool_size(1 << 20)
+    (64, 1536, 65536)
+    """
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 16
+    return min(1 << 16, max(64, (soft - CLIENT_CONNECTIONS - RESERVED_FILES) // 2))
+
+
 class Handovers:
     """The control plane's connections to its workers for runs handed over, on its Dask client's event loop."""
 
     def __init__(self, client: Client) -> None:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.limit = 1 << 16 if soft == resource.RLIM_INFINITY else max(64, soft // 2)
+        self.limit = pool_size(open_files_limit())
         self.client = client
         self.pool: ConnectionPool | None = None  # made on the loop by the first hand-over
         self.closing = False
