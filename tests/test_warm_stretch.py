@@ -230,3 +230,14 @@ def test_a_period_whose_row_a_later_outcome_took_stays_booked_until_its_own_end(
     assert [p.runs for p in books.periods()] == [3]
     pending = [h for h in books.ledger.history(limit=50) if h["status"] == "pending"]
     assert [h["task_run_id"] for h in pending] == ["warm-body-1-3"], pending
+
+
+def test_ends_heard_before_any_booking_keep_the_newest_and_never_grow_past_a_bound(books, monkeypatch):
+    """An end whose period is never booked (its outcome's booking failed) was kept for the plane's life, and past
+    100,000 such ends the next, real one was dropped: the oldest now go first."""
+    import aisched_prefect.control.dispatch.warm as warm
+
+    monkeypatch.setattr(warm, "EARLY_KEPT", 5)
+    for i in range(8):
+        books.ended(f"never-booked-{i}", 1, 1.0, "its worker said so")
+    assert list(books._early) == [(f"never-booked-{i}", 1) for i in range(3, 8)]

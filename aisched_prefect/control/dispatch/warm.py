@@ -43,6 +43,7 @@ STRETCH_SECONDS = 15.0  # back-to-back runs share one idle hold for at most this
 STRETCH_WAITS = 64  # ... for at most this many waits (each listed in its row and its settlement record)
 STRETCH_SHARE = 0.5  # ... and while their idle seconds add up to at most this share of the keep-warm time it covers
 SPENT_MARGIN_SECONDS = 2.0  # a carried period's body ends this long (at most a quarter of it) before its hold runs out
+EARLY_KEPT = 10_000  # ends heard before their period was booked, kept (the oldest dropped first) until it is
 
 
 def warm_key(admission: Admission) -> str:
@@ -299,9 +300,10 @@ class WarmBooks:
             period = _period(rows[0]) if rows else None
             if period is None or (worker is not None and period.worker != worker):
                 if period is None:  # its outcome is still being booked (control.dispatch.warm.started settles it then)
-                    with self._lock:
-                        if len(self._early) < 100_000:
-                            self._early[(body, runs)] = (idle, why)
+                    with self._lock:  # the oldest goes first: an end whose period was never booked stays no longer
+                        self._early[(body, runs)] = (idle, why)
+                        if len(self._early) > EARLY_KEPT:
+                            del self._early[next(iter(self._early))]
                 return
             with self._lock:  # settled from its row: the books here (booked meanwhile) do not hold it again
                 self._idle.pop((body, runs), None)
