@@ -235,7 +235,7 @@ def main() -> None:
         scores = [scorer.score(row) for row in shard["rows"]]
         return {"shard": shard["shard"], "rows": len(scores), "mean_score": sum(scores) / len(scores),
                 "worker": "local", "device": "cpu", "gpu_type": None, "started": started, "ended": time.time(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "process": scorer.process}
 
     def plain_map(shards: int, load_seconds: float, load_log: str, task_runner: Any) -> dict[str, Any]:
         from prefect import unmapped

@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 from prefect import Task, flow, get_run_logger, task, unmapped
@@ -57,14 +58,15 @@ def make_shards(shards: int, rows_per_shard: int) -> list[dict[str, Any]]:
 
 class StandInModel:
     """What a team loads once per process (weights onto its GPU); here a name, and `load_seconds` of loading.
-    Each load appends its process id to `load_log` (a file on a path every worker shares), so loads can be counted."""
+    Each load appends its process's mark to `load_log` (a file on a path every worker shares), so loads can be
+    counted: a random mark, not the pid, since every isolated body is pid 1 or 2 in a PID namespace of its own."""
 
     def __init__(self, name: str, load_seconds: float = 0.0, load_log: str | None = None) -> None:
         time.sleep(load_seconds)
-        self.name, self.pid = name, os.getpid()
+        self.name, self.pid, self.process = name, os.getpid(), uuid.uuid4().hex[:12]
         if load_log:
             with open(load_log, "a") as f:
-                f.write(f"{self.pid}\n")
+                f.write(f"{self.process}\n")
 
     def score(self, row: int) -> float:
         return int(hashlib.sha256(f"{self.name}:{row}".encode()).hexdigest()[:8], 16) % 1000 / 1000
@@ -92,7 +94,7 @@ def score_shard(shard: dict[str, Any], model: str, seconds: float, load_seconds:
     time.sleep(seconds)  # the model's forward passes
     return {"shard": shard["shard"], "rows": len(scores), "mean_score": sum(scores) / len(scores),
             "worker": current_worker_name(), "device": device.key, "gpu_type": device.gpu_type,
-            "started": started, "ended": time.time(), "pid": os.getpid()}
+            "started": started, "ended": time.time(), "pid": os.getpid(), "process": scorer.process}
 
 
 def infer_task(gpu_fraction: float, seconds: float, model: str) -> Task[..., dict[str, Any]]:
@@ -126,7 +128,7 @@ def gather(results: list[dict[str, Any]], shards: int) -> dict[str, Any]:
                         "most_at_once": most_at_once([(r["started"], r["ended"]) for r in rs])}
                     for d, rs in sorted(by_device.items())},
         "results": sorted(results, key=lambda r: r["shard"]),
-        "processes": len({r["pid"] for r in results}),
+        "processes": len({r["process"] for r in results}),  # each loads the model once: its mark names it
         "flow_run_id": str(FlowRunContext.get().flow_run.id),
     }
 
