@@ -48,7 +48,10 @@ def reconcile(books: WarmBooks, fetch: Callable[[], tuple[dict[str, Any], dict[s
     reports, left = fetch()
     now = time.time()
     done = {"settled": 0, "taken": 0, "unknown_ended": 0}
+    still = {id(p) for p in books.periods()}
     for p in periods:
+        if id(p) not in still:  # settled, or carried on by a run of its body, while the workers were asked: their
+            continue            # answers are older than that (a busy map's runs, taken for lost ends, 2 to 11 a pass)
         if p.worker not in reports:  # the worker left: the body went with it
             at = min(left.get(p.worker, now), now)
             books.ended(p.body, p.runs, p.idle_at(at), f"its worker {p.worker} left")
