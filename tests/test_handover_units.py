@@ -12,7 +12,7 @@ def _handed_run(worker: str, issued_at: float):
 
     r = Running(admission=None, key="aisched-k1", holds=[], covered_seconds=60.0, submitted=0.0)  # type: ignore[arg-type]
     r.placement, r.handed_over, r.dask_at = Placement(workers=[worker], devices=[["2", "3"]]), True, 1.0
-    r.ticket = SimpleNamespace(issued_at=issued_at)  # type: ignore[assignment]
+    r.ticket = SimpleNamespace(issued_at=issued_at, id="t1")  # type: ignore[assignment]
     return r
 
 
@@ -27,7 +27,8 @@ class _Plane:
 
         self.losses = type("L", (Losses,), {})()
         self.losses.client = SimpleNamespace(sync=lambda op, **kw: op(**kw), scheduler=SimpleNamespace(
-            gpu_workers_left=lambda: left, gpu_task_states=lambda keys: {}))
+            gpu_workers_left=lambda: left, gpu_task_states=lambda keys: {},
+            gpu_ticket_where=lambda id: {"members": [{"member": 0, "worker": "tls://10.0.0.5:4000", "name": "gpu-b"}]}))
         self.losses.lock = threading.Lock()
         self.losses.warm = SimpleNamespace(worker_died=lambda *a: None)
 
@@ -38,8 +39,10 @@ def test_a_handed_over_run_whose_worker_left_is_lost_though_its_connection_stand
     gone, earlier, elsewhere = (_handed_run("tls://10.0.0.5:4000", 90.0), _handed_run("tls://10.0.0.6:4000", 90.0),
                                 _handed_run("tls://10.0.0.7:4000", 90.0))
     plane.losses.check_stuck({"a": gone, "b": earlier, "c": elsewhere})
-    assert gone.lost == {"worker": "tls://10.0.0.5:4000", "name": None, "keys": ["aisched-k1"], "devices": ["2", "3"],
-                         "found": "left"} and gone.wake.is_set()
+    # named as the registry names it: the walk-through's evidence showed the dead worker as an address when this
+    # backstop spoke before the death event
+    assert gone.lost == {"worker": "tls://10.0.0.5:4000", "name": "gpu-b", "keys": ["aisched-k1"],
+                         "devices": ["2", "3"], "found": "left"} and gone.wake.is_set()
     assert earlier.lost is None  # a worker at that address left before this run was handed to the one there now
     assert elsewhere.lost is None
 

@@ -81,9 +81,13 @@ class Losses:
             return
         for r in handed:
             assert r.placement is not None
-            gone = left.get(r.placement.workers[0])  # after its ticket was issued: not an earlier worker there
+            worker = r.placement.workers[0]
+            gone = left.get(worker)  # after its ticket was issued: not an earlier worker there
             if gone is not None and r.ticket is not None and gone >= r.ticket.issued_at:
-                r.lost = {"worker": r.placement.workers[0], "name": None, "keys": list(r.dask_keys),
+                # Its name as the registry has it (the death event's word may come after this, and the first word
+                # is the one recorded): the evidence names a worker, not an address a restarted one takes over.
+                member = next((m for m in self._where(r).get("members", []) if m.get("worker") == worker), {})
+                r.lost = {"worker": worker, "name": member.get("name"), "keys": list(r.dask_keys),
                           "devices": _placed_devices(r), "found": "left"}
                 r.wake.set()
 
