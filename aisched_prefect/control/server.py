@@ -60,9 +60,16 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
                          "listens there, or pass --port with a free port (and give flows the new address)") from None
     listen_url = f"http://{host}:{sock.getsockname()[1]}"
     base_url = (public_url or listen_url).rstrip("/")  # what approval links point people at
-    plane = ControlPlane(config, dask_address=dask_address, declared=declared, queue=queue, base_url=base_url,
-                         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
-                         dask_tls=Path(dask_tls) if dask_tls else None, early=early)
+    from aisched_prefect.errors import LedgerUnavailable
+    from aisched_prefect.ledger.engine import database_errors, described, safe_url
+
+    try:
+        plane = ControlPlane(config, dask_address=dask_address, declared=declared, queue=queue, base_url=base_url,
+                             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                             dask_tls=Path(dask_tls) if dask_tls else None, early=early)
+    except (LedgerUnavailable, *database_errors()) as exc:  # an operator's setting: one line, not a traceback
+        raise SystemExit(f"aisched serve: cannot open the ledger at {safe_url(config.ledger())} ({described(exc)}). "
+                         "Fix: start that database, or set AISCHED_LEDGER_URL to one that answers") from None
     plane.listen_host = host  # /metrics is open to loopback scrapes only where the plane listens on loopback alone
     info: dict[str, Any] = {"url": listen_url, "public_url": base_url, "public_key": plane.public_key, "ledger": plane.ledger.url,
                             "dask": plane.client.scheduler.address}
