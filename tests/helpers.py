@@ -66,6 +66,22 @@ def resume_when_paused(answer: dict[str, Any], *, flow_name: str | None = None, 
     return None
 
 
+def processes_with(entry: str) -> list[int]:
+    """The processes whose environment holds `entry` ("NAME=value", whole): what one process started and its
+    children inherited, found without knowing their pids (they may be gone by the time the test looks)."""
+    import os
+
+    found, want = [], entry.encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
 def wait_until(check: Any, timeout: float = 60.0, what: str = "") -> Any:
     """Poll `check()` until it returns something true and return that; fail naming `what` after `timeout` s."""
     import time

@@ -12,7 +12,6 @@ resumed run completes without running or charging anything twice. One server
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 
 from aisched_prefect.ledger import Ledger
 from flows.demo_server import NIGHTLY, DemoServer
+from tests.helpers import processes_with
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -31,21 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _processes_of(flow_run_id: str) -> list[int]:
-    """Processes running this flow run (the process worker passes its id in the environment)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
-            found.append(int(pid))
-    return found
 
 
 def _aisched(demo: DemoServer, *args: str) -> str:
@@ -96,9 +81,9 @@ def test_nightly_deployment_suspends_for_approval_and_resumes_on_its_worker(demo
 
     # While it waits: no process of that flow run, and nothing of its budget held.
     deadline = time.time() + 60  # the flow process closes its runner (Dask cluster, ledger) and exits
-    while _processes_of(flow_run) and time.time() < deadline:
+    while processes_with(f"PREFECT__FLOW_RUN_ID={flow_run}") and time.time() < deadline:
         time.sleep(0.5)
-    assert not _processes_of(flow_run), "a suspended run must not keep a process"
+    assert not processes_with(f"PREFECT__FLOW_RUN_ID={flow_run}"), "a suspended run must not keep a process"
     assert demo.state(flow_run)[1] == "Suspended"
     steps = _steps(demo, flow_run)  # the UI draws the promotion step Suspended, not a red Failed
     assert steps["promote_to_registry"] == ["Suspended"] and "Failed" not in str(steps), steps

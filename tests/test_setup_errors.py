@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import tenant
+from tests.helpers import processes_with, tenant, wait_until
 
 SCRIPT = '''
 import sys, threading
@@ -168,26 +168,6 @@ def test_an_example_flow_refuses_an_abbreviated_option():
     assert "unrecognized arguments: --shard 3" in done.stderr
 
 
-def _processes_marked(mark: str) -> list[int]:
-    """The processes whose environment carries `mark` (what one plane and its local cluster inherited)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return found
-
-
-def _nothing_left_behind(mark: str) -> list[int]:
-    deadline = time.monotonic() + 60
-    while (left := _processes_marked(mark)) and time.monotonic() < deadline:
-        time.sleep(0.2)  # the scheduler ends on its parent's death signal, a moment after the plane
-    return left
-
-
 def test_the_control_plane_refuses_a_port_in_use_in_one_line(tmp_path):
     """... and stops the local cluster it had begun starting before it tried the port."""
     mark = f"AISCHED_TEST_MARK=port-{tmp_path.name}"
@@ -199,7 +179,7 @@ def test_the_control_plane_refuses_a_port_in_use_in_one_line(tmp_path):
                                                 "AISCHED_TEST_MARK": mark.split("=", 1)[1]})
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Fix: " in done.stderr
-    assert _nothing_left_behind(mark) == []
+    wait_until(lambda: not processes_with(mark), 60, f"every process carrying {mark} to end")
 
 
 def test_a_control_plane_that_cannot_open_its_ledger_says_so_in_one_line_and_leaves_nothing_running(tmp_path):
@@ -216,7 +196,7 @@ def test_a_control_plane_that_cannot_open_its_ledger_says_so_in_one_line_and_lea
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert f"cannot open the ledger at postgresql://nobody:***@127.0.0.1:{port}/none" in done.stderr, done.stderr
     assert "Fix: " in done.stderr and "s3cret" not in done.stderr
-    assert _nothing_left_behind(mark) == []
+    wait_until(lambda: not processes_with(mark), 60, f"every process carrying {mark} to end")
 
 
 def test_the_walk_through_exports_prefect_api_url_before_it_starts_the_server():

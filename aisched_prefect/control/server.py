@@ -24,12 +24,31 @@ logger = logging.getLogger("aisched_prefect.control")
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    """The plane's listening socket, or one line naming the port and the fix."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"aisched serve: cannot listen on {host}:{port} ({exc.strerror or exc}). Fix: stop what "
+                         "listens there, or pass --port with a free port (and give flows the new address)") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _control_plane(config: Any, **kw: Any) -> Any:
+    """The plane, or one line naming its ledger (password hidden) and the fix where its database does not answer."""
+    from aisched_prefect.control.service import ControlPlane
+    from aisched_prefect.errors import LedgerUnavailable
+    from aisched_prefect.ledger.engine import database_errors, described, safe_url
+
+    try:
+        return ControlPlane(config, **kw)
+    except (LedgerUnavailable, *database_errors()) as exc:  # an operator's setting: one line, not a traceback
+        raise SystemExit(f"aisched serve: cannot open the ledger at {safe_url(config.ledger())} ({described(exc)}). "
+                         "Fix: start that database, or set AISCHED_LEDGER_URL to one that answers") from None
 
 
 def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None = None, declared: str | None = None,
@@ -42,34 +61,21 @@ def serve(*, host: str = "127.0.0.1", port: int = 8790, dask_address: str | None
     config = settings()
     _log_to_stderr()
     early = _start_local_cluster(config, declared, dask_tls) if dask_address is None else None
-    try:
+    try:  # a start that fails before the plane holds its local cluster stops that cluster here
         import uvicorn
 
         from aisched_prefect.control.http.app import build_app
-        from aisched_prefect.control.service import ControlPlane
+
+        sock = _listen(host, port)
+        listen_url = f"http://{host}:{sock.getsockname()[1]}"
+        base_url = (public_url or listen_url).rstrip("/")  # what approval links point people at
+        plane = _control_plane(config, dask_address=dask_address, declared=declared, queue=queue, base_url=base_url,
+                               checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                               dask_tls=Path(dask_tls) if dask_tls else None, early=early)
     except BaseException:
         if early is not None:
-            early.close()
+            early.close()  # a no-op once the plane took it (its own stack closed it)
         raise
-    try:
-        sock = _listen(host, port)
-    except OSError as exc:
-        if early is not None:
-            early.close()
-        raise SystemExit(f"aisched serve: cannot listen on {host}:{port} ({exc.strerror or exc}). Fix: stop what "
-                         "listens there, or pass --port with a free port (and give flows the new address)") from None
-    listen_url = f"http://{host}:{sock.getsockname()[1]}"
-    base_url = (public_url or listen_url).rstrip("/")  # what approval links point people at
-    from aisched_prefect.errors import LedgerUnavailable
-    from aisched_prefect.ledger.engine import database_errors, described, safe_url
-
-    try:
-        plane = ControlPlane(config, dask_address=dask_address, declared=declared, queue=queue, base_url=base_url,
-                             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
-                             dask_tls=Path(dask_tls) if dask_tls else None, early=early)
-    except (LedgerUnavailable, *database_errors()) as exc:  # an operator's setting: one line, not a traceback
-        raise SystemExit(f"aisched serve: cannot open the ledger at {safe_url(config.ledger())} ({described(exc)}). "
-                         "Fix: start that database, or set AISCHED_LEDGER_URL to one that answers") from None
     plane.listen_host = host  # /metrics is open to loopback scrapes only where the plane listens on loopback alone
     info: dict[str, Any] = {"url": listen_url, "public_url": base_url, "public_key": plane.public_key, "ledger": plane.ledger.url,
                             "dask": plane.client.scheduler.address}
@@ -119,9 +125,9 @@ def _start_local_cluster(config: Any, declared: str | None, dask_tls: str | None
     of the plane (2 to 3 s each, one after the other, before): a flow run's embedded plane is ready that much sooner."""
     from aisched_prefect.control.authority.keys import load_or_make_key
     from aisched_prefect.control.dispatch.scheduler_link import EarlyCluster
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+    from dask_gpu.tickets import TicketSigner  # the plane's own way to its public key (the workers' trusted key)
 
-    public = load_or_make_key(config.home / "control.key").public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    public = TicketSigner(load_or_make_key(config.home / "control.key")).public_key
     return EarlyCluster(config, declared=declared, dask_tls=Path(dask_tls) if dask_tls else None,
                         trusted_key=public.hex())
 

@@ -73,8 +73,6 @@ class ControlPlane:
         self.queue = queue
         self._stack = ExitStack()
         try:
-            if early is not None:  # a plane that fails before it takes the cluster stops it (a no-op once taken)
-                self._stack.callback(early.close)
             self.key = load_or_make_key(key_path or settings.home / "control.key")
             self.signer = TicketSigner(self.key)
             # Every record it writes is signed: a record in its log that it did not write is told apart.
