@@ -2,8 +2,8 @@
 
 The flow marks the shards of one `.map()` as one array (`CallMeta.array`); the control plane takes the array's
 decision once (configuration, feasibility, pricing, authority, the approval rule: control/admission/decisions.py), and where
-the policy asks a person the first shard's request is the whole map's. Each shard still holds its own budget, and
-is admitted, settled and recorded on its own. A shard the budget cannot cover is refused by name; a revocation
+the policy asks a person the first shard's request is the whole map's. Each shard still holds its own budget (the
+first as it is admitted, the others as the queue starts them), and is admitted, settled and recorded on its own. A shard the budget cannot cover is refused by name; a revocation
 stops the array's running shard and admits none of its waiting ones.
 """
 
@@ -22,7 +22,7 @@ from prefect.context import FlowRunContext
 
 from aisched_prefect import ai_task
 from blocks import ApprovalPolicyBlock, ApprovalRule
-from tests.approval_helpers import Gated, outcome, page_answer
+from tests.approval_helpers import Gated, accounts_of, outcome, page_answer
 from tests.helpers import authority, budget, tenant, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -65,8 +65,17 @@ def test_a_map_is_decided_once_and_each_shard_is_admitted_settled_and_recorded(c
     assert decided.count(None) == 1, decided  # one decision for the whole map, however its shards raced
     (first,) = [r.task_run_id for r in admissions if r.payload.get("decided_with") is None]
     assert set(decided) - {None} == {first}
-    holds = [h["id"] for r in admissions for h in r.payload["holds"]]
-    assert len(set(holds)) == 16  # each shard still holds its own budget
+    # Each shard still holds its own budget: the first as it is admitted, the others as the queue starts them
+    # (a `shard-hold` record naming its admission), so the map never holds more than what runs at once.
+    later = {str(r.seq): r for r in admissions if r.payload.get("decided_with") is not None}
+    assert all(r.payload["holds"] == [] and r.payload["hold"] == "at its start" for r in later.values())
+    started = [r for r in records if r.kind == "shard-hold"]
+    assert sorted(r.payload["admission"] for r in started) == sorted(later)
+    assert all(r.task_run_id == later[r.payload["admission"]].task_run_id for r in started)
+    holds = [h["id"] for r in [*admissions, *started] for h in r.payload["holds"]]
+    assert len(set(holds)) == 16 == len(holds)
+    by_hold = {s["hold_id"] for r in settlements for s in r.payload["settlements"]}
+    assert by_hold == set(holds)  # and each shard's own settlement settles the hold it took
 
 
 def test_a_map_asks_a_person_once_for_all_its_shards(control_plane):
@@ -95,40 +104,73 @@ def test_a_map_asks_a_person_once_for_all_its_shards(control_plane):
     assert g.pauses() == 1
 
 
-def test_a_map_larger_than_its_budget_runs_the_shards_that_fit_and_refuses_the_rest_by_name(control_plane, tmp_path):
-    # 0.1 per shard (one A10 hour at 1.0 for 360 s): a limit of 0.35 covers three shards' holds at once.
+@ai_task(gpus=1, gpu_type="A10", kind="inference", est_seconds=360)
+def spends(i: int) -> int:
+    """Reports what it spent (0.1) on top of its GPU time: a shard's real cost, not its estimate."""
+    from aisched_prefect import report_usage
+
+    report_usage(tokens=1, cost=0.1)
+    return i
+
+
+def test_a_map_larger_than_its_budget_runs_the_shards_that_fit_and_refuses_the_rest_by_name(control_plane):
+    # A shard's estimate is 0.1 (one A10 hour at 1.0 for 360 s) and it spends 0.1 and a little GPU time. The
+    # cluster's one A10 runs one shard at a time; each later shard holds as it starts, so a limit of 0.35 covers
+    # three shards' spending, and the fourth finds 0.1 no longer free.
     t = tenant(control_plane, budget_=budget(limit=0.35))
+
+    @flow(task_runner=t.runner())
+    def batch():
+        futures = spends.map(range(6))
+        for f in futures:
+            f.wait()
+        return [f.state for f in futures], str(FlowRunContext.get().flow_run.id)
+
+    states, run = batch()
+    done = [i for i, s in enumerate(states) if s.is_completed()]
+    refused = [i for i, s in enumerate(states) if not s.is_completed()]
+    assert len(done) == 3 and len(refused) == 3, states
+    assert [states[i].result() for i in done] == done
+    records = control_plane.records(run)
+    denials = [r for r in records if r.kind == "denial"]
+    assert sorted(r.payload["shard_index"] for r in denials) == refused
+    names = {r.payload["shard_index"]: r.payload["shard"] for r in denials}
+    for i in refused:  # each refused shard named by its task run's name (as Prefect shows it) and its index
+        said = str(states[i].result(raise_on_failure=False))
+        assert re.fullmatch(r"spends-[0-9a-f]+", names[i]) and f"shard {names[i]!r} (#{i} of 6) of the map: budget" in said, said
+    assert all(r.payload["stage"] == "budget" for r in denials)
+    settled = {r.task_run_id: r.payload["outcome"] for r in records if r.kind == "settlement"}
+    assert sorted(settled.values()) == ["completed"] * 3 + ["refused-at-start"] * 3  # each shard ends once
+    (account,) = accounts_of(control_plane, t)
+    assert account["pending"] == 0 and 0.3 < account["posted"] <= 0.35, account
+
+
+def test_a_maps_waiting_shards_hold_nothing_until_the_queue_starts_them(control_plane, tmp_path):
+    """A map holds what runs at once (the cluster's one A10: one shard), not its whole estimate."""
+    t = tenant(control_plane, budget_=budget(limit=0.35))  # five shards' estimates (0.5) would not fit at once
     flag = str(tmp_path / "go")
     got: dict = {}
 
     @flow(task_runner=t.runner())
     def batch():
         got["run"] = str(FlowRunContext.get().flow_run.id)
-        futures = held.map(range(6), flag=flag)
-        for f in futures:
-            f.wait()
-        return [f.state for f in futures], got["run"]
+        return [f.result() for f in held.map(range(5), flag=flag)]
 
     runner = threading.Thread(target=lambda: got.setdefault("out", batch()))
     runner.start()
-    try:  # the refusals come while the three that fit still hold their budget (none can end before the flag)
-        wait_until(lambda: "run" in got and sum(r.kind == "denial" for r in control_plane.records(got["run"])) >= 3,
-                   120, what="three shards refused")
+    try:
+        queue = lambda: control_plane.ok("GET", "/v1/queue")  # noqa: E731
+        wait_until(lambda: queue()["running"] >= 1 and queue()["queued"] >= 4, 120,
+                   what="one shard running on the A10, four queued")
+        (account,) = accounts_of(control_plane, t)
+        # The running shard's hold, and the first shard's (held as it was admitted, wherever it waits): not five.
+        assert account["pending"] in (pytest.approx(0.1), pytest.approx(0.2)), account
     finally:
         Path(flag).touch()
         runner.join(timeout=300)
-    states, run = got["out"]
-    done = [i for i, s in enumerate(states) if s.is_completed()]
-    refused = [i for i, s in enumerate(states) if not s.is_completed()]
-    assert len(done) == 3 and len(refused) == 3, states
-    assert [states[i].result() for i in done] == done
-    denials = [r for r in control_plane.records(run) if r.kind == "denial"]
-    assert sorted(r.payload["shard_index"] for r in denials) == refused
-    names = {r.payload["shard_index"]: r.payload["shard"] for r in denials}
-    for i in refused:  # each refused shard named by its task run's name (as Prefect shows it) and its index
-        said = str(states[i].result(raise_on_failure=False))
-        assert re.fullmatch(r"held-[0-9a-f]+", names[i]) and f"shard {names[i]!r} (#{i} of 6) of the map: budget" in said, said
-    assert all(r.payload["stage"] == "budget" for r in denials)
+    assert got["out"] == [0, 1, 2, 3, 4]
+    kinds = [r.kind for r in control_plane.records(got["run"])]
+    assert kinds.count("admission") == 5 and kinds.count("shard-hold") == 4 and kinds.count("settlement") == 5
 
 
 def test_a_revocation_stops_the_running_shard_within_a_second_and_admits_none_of_the_waiting(control_plane, tmp_path):
@@ -168,7 +210,7 @@ def test_a_revocation_stops_the_running_shard_within_a_second_and_admits_none_of
 
 
 def test_a_rejected_map_denies_every_shard_and_releases_every_hold(control_plane):
-    from tests.approval_helpers import accounts_of, api_answer
+    from tests.approval_helpers import api_answer
 
     policy = ApprovalPolicyBlock(rules=[ApprovalRule(name="tuning-needs-a-person", kinds=["training"])],
                                  timeout_seconds=120)

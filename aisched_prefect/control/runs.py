@@ -98,6 +98,21 @@ def abandon_waiting(dispatcher: Dispatcher, keys: list[str]) -> None:
         logger.warning("a flow process went away: %d of its waiting AI task runs leave the queue", stopped)
 
 
+class CallAdmitter:
+    """The pipeline as one call's admitter in dispatch: a map's shard held as it starts files that hold with its call,
+    in the hold's transaction, so a replica that takes the call over settles it instead of holding again."""
+
+    def __init__(self, pipeline: Pipeline, calls: CallBook, key: str) -> None:
+        self.pipeline, self.calls, self.key = pipeline, calls, key
+
+    def readmit(self, admission: Admission, reason: str) -> Admission:
+        return self.pipeline.readmit(admission, reason)
+
+    def hold_at_start(self, admission: Admission) -> Admission:
+        return self.pipeline.hold_at_start(
+            admission, lambda conn, held: self.calls.admitted(self.key, held.model_dump(mode="json"), conn))
+
+
 class Runs:
     """Admits, starts and files the calls of flows; bounds what one credential keeps in flight."""
 
@@ -253,7 +268,7 @@ class Runs:
             runs, held = self._in_flight.get(cred.id, (0, 0))
             self._in_flight[cred.id] = (runs + 1, held + size)
         launched = self.dispatcher.launch(
-            admission, BodyParts(fn_bytes, args_bytes, tuple(meta.modules)), self.pipeline,
+            admission, BodyParts(fn_bytes, args_bytes, tuple(meta.modules)), CallAdmitter(self.pipeline, self.calls, key),
             lambda reply, out: self._finished(key, reply, out, cred.id, size), call_key=key)
         self._arrived(meta, admission)
         # A run only a group of the scaler at 0 jobs holds: its flow's log says what it waits for.

@@ -109,7 +109,7 @@ class ControlPlane:
             self.desk = ApprovalDesk(self.ledger, self.state, settings, self.approvals, self.waiters)
             self.pipeline = Pipeline(self.ledger, self.state, self.dispatcher.inventories, self.replica,
                                      approvals=self.approvals, before_asking=self.credentials.check_open_approvals,
-                                     settle=self.dispatcher.settle)
+                                     settle=self.dispatcher.settle, defers=self.dispatcher.defers)
             self.runs = Runs(settings, self.ledger, self.dispatcher, self.pipeline, self.calls, self.outcomes,
                              self.replica)
             self.reports = Reports(self.ledger, self.key, self.public_key, self.calls, checkpoint_dir)

@@ -87,7 +87,7 @@ def evidence_rows(records: list[EvidenceRecord]) -> list[dict[str, Any]]:
             row["decision"] = "admitted" if r.kind == "admission" else "awaiting approval"
         elif r.kind == "admission":
             row["decision"] = "admitted"
-        elif r.kind == "top-up":
+        elif r.kind in ("top-up", "shard-hold"):  # a map's later shard holds as it starts
             row["reserved"] = round(row["reserved"] + money_of(p.get("holds", []), "reserved"), 6)
         elif r.kind == "denial":
             row["decision"] = f"denied ({p.get('stage')}): {p.get('reason')}"
@@ -237,7 +237,8 @@ def explain(records: list[EvidenceRecord]) -> str:
                 else:
                     why = f"policy rule: {p.get('approval_rule') or 'none (no approval needed)'}"
                 out.append(f"  [{r.seq}] {verb} under grant chain {chain or '?'}; {why}")
-                out.extend(_held_lines(p))
+                out.extend(_held_lines(p) or ([f"        nothing held until {p['hold'][3:]} (a map's shard)"]
+                                              if p.get("hold") else []))
                 if (p.get("idle") or {}).get("asked_seconds"):
                     out.append(f"        price includes its idle time: {_idle_line(p['idle'])}")
             elif r.kind == "approval-consumed":
@@ -252,6 +253,9 @@ def explain(records: list[EvidenceRecord]) -> str:
                            + ("" if p.get("counted") else " (not counted: already voted)"))
             elif r.kind == "top-up":
                 out.append(f"  [{r.seq}] TOPPED UP by {p['top_up']['seconds']:.1f}s (cover was {p['top_up']['covered_before']:.1f}s)")
+                out.extend(_held_lines(p))
+            elif r.kind == "shard-hold":
+                out.append(f"  [{r.seq}] HELD as the queue started it (a map's shard, admission {p.get('admission')})")
                 out.extend(_held_lines(p))
             elif r.kind == "top-up-refused":
                 out.append(f"  [{r.seq}] TOP-UP REFUSED: {p.get('reason')}")

@@ -38,6 +38,9 @@ from blocks import ApprovalOutcome, CostEstimate, Grant, RunFacts
 from dask_gpu import WorkerInventory
 
 
+AT_START = "its start"  # `Case.requeued` of a map's shard whose hold is taken as the queue starts it
+
+
 class Phase(IntEnum):
     """The phases of one admission, in the order a pass runs them."""
 
@@ -82,6 +85,7 @@ class Case:
     approval_id: str | None = None  # a new request for a person (the policy asks)
     admission: Admission | None = None  # after the hold
     waiting: ApprovalView | None = None  # the call ends here, waiting for this request's answer
+    defer_hold: bool = False  # a later shard of a map the queue starts: its budget is held at its start
 
     @property
     def asking(self) -> bool:
@@ -221,12 +225,15 @@ class Phases:
         on_admitted = case.on_admitted
         file_with_holds = (None if case.asking or on_admitted is None else
                            lambda conn, held, record: on_admitted(conn, admitted(case, shares, held, record)))
+        # A later shard of a map holds nothing while it waits in the queue: what a map holds is what runs at once.
+        deferred = case.defer_hold and not case.asking
         try:
             held, record = self.ledger.reserve(
-                stages.lines(case.bound, case.facts, usage, shares, self.ledger.now()),
+                [] if deferred else stages.lines(case.bound, case.facts, usage, shares, self.ledger.now()),
                 kind="approval-requested" if case.asking else "admission",
                 payload={**case.payload, "approval": "pending" if case.asking
-                         else case.payload.get("approval", "not required")}, **case.ids,
+                         else case.payload.get("approval", "not required"),
+                         **({"hold": f"at {AT_START}"} if deferred else {})}, **case.ids,
                 also=file_with_holds)
         except BudgetExceeded as exc:
             raise AdmissionDenied("budget", str(exc), f"an operator raises the limit of {exc.budget!r} in budget "
@@ -237,23 +244,29 @@ class Phases:
 
     def _hold_again(self, case: Case) -> Case:
         """An approved call keeps the holds taken when it asked; one whose holds were released (suspended) or a
-        preempted run holds again, under the authority of now."""
+        preempted run holds again, under the authority of now; so does a map's shard as the queue starts it (its
+        `shard-hold` record names its admission, which keeps its id)."""
         prior = case.prior
         assert prior is not None and case.bound is not None
         if case.requeued is None:
             return replace(case, admission=prior)
+        starting = case.requeued == AT_START
         usage = stages.expected_usage(prior.request, prior.reserved)
         try:
             lines = stages.lines(case.bound, prior.facts, usage, prior.shares, self.ledger.now())
-            held, record = self.ledger.reserve(lines, kind="admission", payload={
+            on_held = case.on_admitted if starting else None
+            held, record = self.ledger.reserve(lines, kind="shard-hold" if starting else "admission", payload={
                 **case.payload, "chain": [g.id for g in case.chain], "grant": case.chain[-1].id,
-                "approval": "requeued after preemption"}, **prior.ids)
+                **({"admission": prior.id} if starting else {"approval": "requeued after preemption"})}, **prior.ids,
+                also=None if on_held is None else lambda conn, held, _rec: on_held(conn, prior.model_copy(
+                    update={"holds": held, "hold_at_start": False})))
         except InvalidLedgerInput as exc:
             raise AdmissionDenied("budget", exc.reason, exc.fix) from None
         except BudgetExceeded as exc:
-            raise AdmissionDenied("budget", f"{exc} (queued again after a preemption)",
+            raise AdmissionDenied("budget", f"{exc} ({'as it started' if starting else 'queued again after a preemption'})",
                                   f"an operator raises the limit of {exc.budget!r}") from None
-        return replace(case, admission=prior.model_copy(update={"id": str(record.seq), "holds": held}))
+        kept = {} if starting else {"id": str(record.seq)}
+        return replace(case, admission=prior.model_copy(update={**kept, "holds": held, "hold_at_start": False}))
 
     def record(self, snap: Snapshot, case: Case) -> Case:
         """A new call that asks a person files its request (announced as a Prefect event); one admitted without
@@ -336,4 +349,5 @@ def admitted(case: Case, shares: dict[str, float], held: list[Hold], record: Evi
         payload_digest=case.digests["payload"], code_digest=meta.code_digest, function_digest=case.digests["function"],
         versions=case.bound.versions, approval=case.approval_id, approval_digest=case.payload.get("approval_digest"),
         keep_warm_seconds=case.idle.seconds if case.idle is not None else None,
-        idle_cost=case.idle.cost if case.idle is not None else 0.0)
+        idle_cost=case.idle.cost if case.idle is not None else 0.0, array=meta.array,
+        hold_at_start=case.defer_hold and not case.asking)

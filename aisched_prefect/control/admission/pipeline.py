@@ -14,7 +14,9 @@ the phase. Every call enters here once, whichever way it comes:
   what it was asked about (feasibility, price, the approval); configuration and authority are decided again
   over the snapshot of now (its holds are settled if they ended while it waited), its holds are kept, or taken
   again after a suspension, and its admission is recorded;
-- a preempted run (dispatch): the same, its holds taken again.
+- a preempted run (dispatch): the same, its holds taken again;
+- a map's later shard the queue starts (dispatch): admitted with nothing held, then configuration, authority and
+  its hold as it starts (`hold_at_start`), its admission's id kept.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from aisched_prefect.control.approvals.requests import ApprovalBook
 from aisched_prefect.control.authority.credentials import Unauthorized, owns
 from aisched_prefect.control.admission.decisions import Decisions
 from aisched_prefect.control.authority.identity import Credential
-from aisched_prefect.control.admission.phases import Case, Phase, Phases
+from aisched_prefect.control.admission.phases import AT_START, Case, Phase, Phases
 from aisched_prefect.control.authority.state import AuthorityState
 from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.ledger import Ledger
@@ -53,15 +55,27 @@ def _mark_map(case: Case) -> Case:
     return replace(case, payload={**case.payload, "parameters": parameters})
 
 
+def holds_at_start(case: Case, defers: Callable[[AIRequest], bool] | None) -> bool:
+    """Whether a call holds its budget when the queue starts it instead of as it is admitted (pure): a map's shard
+    that reuses its array's decision, of a request the queue starts (`defers`). Slurm starts a job array's elements
+    as resources allow: a map holds what runs at once, topped up as shards end, never more than its own estimate.
+    Its first shard holds as it is admitted, so a map whose budget cannot cover one shard is refused at once."""
+    meta = case.meta
+    return (meta is not None and meta.array is not None and "decided_with" in case.payload and defers is not None
+            and defers(case.request))
+
+
 class Pipeline:
     """Admits the calls of every caller of one control plane."""
 
     def __init__(self, ledger: Ledger, state: AuthorityState, inventories: Callable[[bool], dict[str, WorkerInventory]],
                  replica: str = "", approvals: ApprovalBook | None = None,
                  before_asking: Callable[[Credential], None] | None = None,
-                 settle: Callable[[Admission, None, dict[str, Any]], None] | None = None) -> None:
+                 settle: Callable[[Admission, None, dict[str, Any]], None] | None = None,
+                 defers: Callable[[AIRequest], bool] | None = None) -> None:
         self.ledger, self.state, self.replica, self.approvals = ledger, state, replica, approvals
         self.settle = settle  # voids an approved call's holds when its authority ended while it waited
+        self.defers = defers  # whether the queue starts runs of this request (their shards hold at their start)
         phases = Phases(ledger, state, inventories, approvals, before_asking)
         self.phases: tuple[tuple[Phase, Step], ...] = (
             (Phase.CONFIGURATION, phases.configuration),
@@ -118,6 +132,17 @@ class Pipeline:
         assert isinstance(got, Admission)
         return got
 
+    def hold_at_start(self, admission: Admission,
+                      on_held: Callable[[Any, Admission], None] | None = None) -> Admission:
+        """A map's later shard, as the queue starts it: configuration and authority over the snapshot of now, then
+        its hold (a `shard-hold` record naming its admission, whose id it keeps). A grant revoked or a budget spent
+        since it was admitted refuses it here, by name (a denial record). `on_held(conn, admission)` files the held
+        admission with its call in the hold's transaction (a replica that takes the call over settles that hold)."""
+        case = Case.carried(admission, None, {"admission": admission.id}, requeued=AT_START)
+        got = self.run(replace(case, on_admitted=on_held))
+        assert isinstance(got, Admission)
+        return got
+
     def run(self, case: Case, map_approval: str | None = None) -> Admission | ApprovalView:
         """One pass: every phase the case does not carry, in order, over one snapshot. The first shard of an array
         takes its decision while the array's other shards wait (`Decisions.deciding`); `map_approval`: the array's
@@ -145,6 +170,8 @@ class Pipeline:
                     if deciding is not None:  # an array's shard: the first decides, the others wait and reuse it
                         deciding.acquire()
                         case = self.decisions.reuse(snap, case)
+                    if holds_at_start(case, self.defers):
+                        case = replace(case, defer_hold=True)
                 elif phase is Phase.APPROVAL:
                     self.decisions.keep(snap, case)
                     if deciding is not None and not case.asking:
@@ -201,7 +228,7 @@ class Pipeline:
         if case.answer is not None and case.prior is not None and phase <= Phase.AUTHORITY and self.settle:
             self.settle(case.prior, None, {"outcome": "revoked-while-waiting", "approval": case.answer.id})
         reason, extra = exc.reason, {}
-        array = case.meta.array if case.meta is not None else None
+        array = case.meta.array if case.meta is not None else case.prior.array if case.prior is not None else None
         if array is not None:  # a shard of a map is refused by name: which shards ran and which did not is plain
             name = array.name or f"{case.task_name}-{array.index}"
             reason = f"shard {name!r} (#{array.index}{f' of {array.size}' if array.size else ''}) of the map: {reason}"

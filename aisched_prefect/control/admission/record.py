@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from aisched_prefect.ledger import Hold, Ledger
 from aisched_prefect.request import AIRequest
+from aisched_prefect.wire import MapShard
 from blocks import RunFacts
 
 logger = logging.getLogger("aisched_prefect.control")
@@ -51,6 +52,8 @@ class Admission(BaseModel):
     approval_digest: str | None = None
     keep_warm_seconds: float | None = None  # its body's keep-warm time, cut to fit max_cost_per_run (None: as asked)
     idle_cost: float = 0.0  # what that idle time may cost: part of its price (control.idle_price)
+    array: MapShard | None = None  # the `.map()` it is a shard of: a refusal after its admission names the shard
+    hold_at_start: bool = False  # a later shard of a map: its budget is held when the queue starts it, not before
 
     @property
     def authority(self) -> str | None:
@@ -86,6 +89,9 @@ def mark_version_seen(ledger: Ledger, admission: Admission) -> list[tuple[str, s
 
 
 class Readmitter(Protocol):
-    """What dispatch needs of admission: a preempted run admitted again (pipeline.Pipeline.readmit)."""
+    """What dispatch needs of admission: a preempted run admitted again, and a map's shard held as it starts
+    (pipeline.Pipeline.readmit and .hold_at_start)."""
 
     def readmit(self, admission: Admission, reason: str) -> Admission: ...
+
+    def hold_at_start(self, admission: Admission) -> Admission: ...

@@ -116,7 +116,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         try:
             while True:
                 try:
-                    return self._execute_once(admission, body)
+                    return self._execute_once(admission, body, admitter)
                 except Preempted as exc:
                     requeued += 1
                     why = "preempted"
@@ -143,7 +143,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
                                  workers=tuple(workers or ()), warm=warm,
                                  keep_warm=self.keep_warm(admission) if warm else 0.0)
 
-    def _execute_once(self, admission: Admission, body: Body) -> tuple[Reply, bytes]:
+    def _execute_once(self, admission: Admission, body: Body, admitter: Readmitter) -> tuple[Reply, bytes]:
         request = admission.request
         state = self._register(admission)
         key = state.key
@@ -155,7 +155,7 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
                     self.settle(state, None, {"outcome": "revoked-while-waiting", "stopped": state.stop_reason})
                     return denied("revocation", f"a grant in the chain {admission.chain} was revoked while the "
                                   f"call waited for its model's limit ({state.stop_reason})", "ask for a new grant"), b""
-                return self._submit(state, body, workers, gpu_request)
+                return self._submit(state, body, workers, gpu_request, admitter=admitter)
         except ModelSlotUnavailable as exc:  # it never ran: void its holds
             self.settle(state, None, {"outcome": "model-limit-unavailable", "error": str(exc)})
             return denied("model-limit", f"the call could not get a slot under its model's limit ({exc})",
@@ -171,9 +171,9 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
         return admission.request.gpu_request().gang()
 
     def _submit(self, state: Running, body: Body, workers: list[str] | None, gpu_request: Any,
-                placement: Placement | None | str = "wait") -> tuple[Reply, bytes]:
+                placement: Placement | None | str = "wait", admitter: Readmitter | None = None) -> tuple[Reply, bytes]:
         """Hand the run to Dask and follow it; `placement`: where the queue already started it (None: it left the
-        queue), or "wait" to wait in the queue here."""
+        queue), or "wait" to wait in the queue here. A map's shard admitted to hold at its start holds now."""
         admission, key = state.admission, state.key
         request = admission.request
         gang = request.gpus >= 1 and self._is_gang(admission)
@@ -197,6 +197,8 @@ class Dispatcher(Queueing, Settlement, Losses, ModelSlots, CapacityWaits):
                     self.settle(state, None, {"outcome": "revoked-while-queued"})
                     return denied("revocation", f"a grant in the chain {admission.chain} was revoked while the run "
                                   "waited in the cluster's queue", "ask for a new grant"), b""
+            if admission.hold_at_start and (refused := self._hold_at_start(state, admitter)) is not None:
+                return refused, b""  # its place in the queue is given back below
             futures = self._hand_over(state, body, workers, gpu_request, gang)
             try:
                 results = self._await(state, futures)

@@ -12,9 +12,13 @@ from typing import Any
 
 from aisched_prefect.control.admission.record import Admission, Readmitter
 from aisched_prefect.control.admission.capacity import waits_for_capacity
-from aisched_prefect.control.dispatch.running import BodyParts, Placement, Preempted, Running, _crashed
+from aisched_prefect.control.dispatch.outlast import outlasting
+from aisched_prefect.control.dispatch.running import BodyParts, Placement, Preempted, Running, _crashed, denied
 from aisched_prefect.control.dispatch.time_limit import TimeLimitRequeue, time_limit_args
 from aisched_prefect.control.dispatch.warm import warm_key
+from aisched_prefect.errors import AdmissionDenied
+from aisched_prefect.ledger import Hold
+from aisched_prefect.request import AIRequest
 from aisched_prefect.wire import Reply
 from dask_gpu import StopRequested, request_stop
 from dask_gpu.scheduler.queue import ENTER_STREAM_OP, LEAVE_STREAM_OP
@@ -57,6 +61,39 @@ class Queueing:
         self._spawn(self._run_blocking, admission, body, admitter, done)
         return ""
 
+    def defers(self, request: AIRequest) -> bool:
+        """Whether the cluster's queue starts runs of this request (a GPU run, the queue on): a map's later shards of
+        it hold their budget when the queue starts them, not while they wait."""
+        return bool(self.queue) and request.gpus > 0
+
+    def _hold_at_start(self, state: Running, admitter: Readmitter | None) -> Reply | None:
+        """Take the hold of a map's shard the queue just started (authority and budget as they are now); its
+        refusal (recorded as a denial naming the shard) is its reply, and it is settled with nothing held."""
+        assert admitter is not None, "a run that holds at its start is started with its admitter"
+        adm0, tries = state.admission, []
+
+        def take() -> Admission:  # through a ledger restart, as a settlement is; a commit of unknown outcome is
+            tries.append(1)       # looked for before the hold is taken again
+            return (len(tries) > 1 and self._held_before(adm0)) or admitter.hold_at_start(adm0)
+
+        try:
+            adm = outlasting(take, patience=self.settle_patience(),  # type: ignore[attr-defined]
+                             what=f"AI task {adm0.task_name} (admission {adm0.id}) started")
+        except AdmissionDenied as exc:
+            self.settle(state, None, {"outcome": "refused-at-start", "stage": exc.stage, "error": exc.reason})
+            return denied(exc.stage, exc.reason, exc.fix)
+        with state.holds_lock:  # the watcher renews what `holds` lists from now on
+            state.admission, state.holds = adm, list(adm.holds)
+        return None
+
+    def _held_before(self, adm: Admission) -> Admission | None:
+        """The shard's hold, where an earlier try's commit went through though its answer was lost."""
+        for r in reversed(self.ledger.records_about(adm.task_run_id)):  # type: ignore[attr-defined]
+            if r.kind == "shard-hold" and r.payload.get("admission") == adm.id:
+                return adm.model_copy(update={"holds": [Hold.model_validate(h) for h in r.payload["holds"]],
+                                              "hold_at_start": False})
+        return None
+
     def _with_capacity_lines(self, key: str, task: str,
                              done: Callable[[Reply, bytes], None]) -> Callable[[Reply, bytes], None]:
         def said_first(reply: Reply, out: bytes) -> None:
@@ -98,7 +135,7 @@ class Queueing:
         try:
             try:
                 reply, out = self._submit(state, body.body(), admission.workers, admission.request.gpu_request(),
-                                          placement=placement)
+                                          placement=placement, admitter=admitter)
             finally:
                 with self.lock:
                     self.running.pop(state.key, None)
