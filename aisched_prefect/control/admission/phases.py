@@ -14,6 +14,7 @@ element decided with the one before it) is not asked that phase again: `Case.dec
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -38,7 +39,7 @@ from blocks import ApprovalOutcome, CostEstimate, Grant, RunFacts
 from dask_gpu import WorkerInventory
 
 
-AT_START = "its start"  # `Case.requeued` of a map's shard whose hold is taken as the queue starts it
+AT_START = "its start"  # when a map's later shard holds its budget
 
 
 class Phase(IntEnum):
@@ -244,29 +245,50 @@ class Phases:
 
     def _hold_again(self, case: Case) -> Case:
         """An approved call keeps the holds taken when it asked; one whose holds were released (suspended) or a
-        preempted run holds again, under the authority of now; so does a map's shard as the queue starts it (its
-        `shard-hold` record names its admission, which keeps its id)."""
+        preempted run holds again, under the authority of now."""
         prior = case.prior
         assert prior is not None and case.bound is not None
         if case.requeued is None:
             return replace(case, admission=prior)
-        starting = case.requeued == AT_START
         usage = stages.expected_usage(prior.request, prior.reserved)
         try:
             lines = stages.lines(case.bound, prior.facts, usage, prior.shares, self.ledger.now())
-            on_held = case.on_admitted if starting else None
-            held, record = self.ledger.reserve(lines, kind="shard-hold" if starting else "admission", payload={
+            held, record = self.ledger.reserve(lines, kind="admission", payload={
                 **case.payload, "chain": [g.id for g in case.chain], "grant": case.chain[-1].id,
-                **({"admission": prior.id} if starting else {"approval": "requeued after preemption"})}, **prior.ids,
-                also=None if on_held is None else lambda conn, held, _rec: on_held(conn, prior.model_copy(
-                    update={"holds": held, "hold_at_start": False})))
+                "approval": "requeued after preemption"}, **prior.ids)
         except InvalidLedgerInput as exc:
             raise AdmissionDenied("budget", exc.reason, exc.fix) from None
         except BudgetExceeded as exc:
-            raise AdmissionDenied("budget", f"{exc} ({'as it started' if starting else 'queued again after a preemption'})",
+            raise AdmissionDenied("budget", f"{exc} (queued again after a preemption)",
                                   f"an operator raises the limit of {exc.budget!r}") from None
-        kept = {} if starting else {"id": str(record.seq)}
-        return replace(case, admission=prior.model_copy(update={**kept, "holds": held, "hold_at_start": False}))
+        return replace(case, admission=prior.model_copy(update={"id": str(record.seq), "holds": held,
+                                                                 "hold_at_start": False}))
+
+    def start_hold(self, snap: Snapshot, prior: Admission,
+                   on_held: Callable[[Any, Admission], None] | None = None) -> Admission:
+        """A map's later shard as the queue starts it: its estimate held on the accounts its configuration names
+        now, in a `shard-hold` record naming its admission (whose id it keeps). Its chain is the watcher's to
+        check (it stops a waiting run whose authority ended within a poll); its credential is checked here."""
+        cred = snap.credentials.get(prior.credential)
+        if cred is None or cred.revoked or cred.expired(time.time()):
+            raise AdmissionDenied("authority", f"the credential of {prior.principal!r} was revoked or expired while "
+                                  "the run waited in the queue", "an operator issues a new one")
+        bound = stages.configuration(snap, cred)
+        usage = stages.expected_usage(prior.request, prior.reserved)
+        try:
+            lines = stages.lines(bound, prior.facts, usage, prior.shares, self.ledger.now())
+            held, _ = self.ledger.reserve(
+                lines, kind="shard-hold", payload={"task": prior.task_name, "admission": prior.id,
+                                                   "grant": prior.chain[-1] if prior.chain else None},
+                **prior.ids, also=None if on_held is None else lambda conn, held, _rec: on_held(
+                    conn, prior.model_copy(update={"holds": held, "hold_at_start": False})))
+        except InvalidLedgerInput as exc:
+            raise AdmissionDenied("budget", exc.reason, exc.fix) from None
+        except BudgetExceeded as exc:
+            raise AdmissionDenied("budget", f"{exc} (as the queue started it)",
+                                  f"an operator raises the limit of {exc.budget!r} in budget "
+                                  f"{bound.budget.name!r}") from None
+        return prior.model_copy(update={"holds": held, "hold_at_start": False})
 
     def record(self, snap: Snapshot, case: Case) -> Case:
         """A new call that asks a person files its request (announced as a Prefect event); one admitted without

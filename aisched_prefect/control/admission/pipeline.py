@@ -15,8 +15,8 @@ the phase. Every call enters here once, whichever way it comes:
   over the snapshot of now (its holds are settled if they ended while it waited), its holds are kept, or taken
   again after a suspension, and its admission is recorded;
 - a preempted run (dispatch): the same, its holds taken again;
-- a map's later shard the queue starts (dispatch): admitted with nothing held, then configuration, authority and
-  its hold as it starts (`hold_at_start`), its admission's id kept.
+- a map's later shard the queue starts (dispatch): admitted with nothing held, then its hold as it starts
+  (`hold_at_start`: the budget its configuration names now; its chain is the watcher's), its admission's id kept.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Pipeline:
         self.ledger, self.state, self.replica, self.approvals = ledger, state, replica, approvals
         self.settle = settle  # voids an approved call's holds when its authority ended while it waited
         self.defers = defers  # whether the queue starts runs of this request (their shards hold at their start)
-        phases = Phases(ledger, state, inventories, approvals, before_asking)
+        self._phases = phases = Phases(ledger, state, inventories, approvals, before_asking)
         self.phases: tuple[tuple[Phase, Step], ...] = (
             (Phase.CONFIGURATION, phases.configuration),
             (Phase.FEASIBILITY, phases.feasibility),
@@ -134,14 +134,15 @@ class Pipeline:
 
     def hold_at_start(self, admission: Admission,
                       on_held: Callable[[Any, Admission], None] | None = None) -> Admission:
-        """A map's later shard, as the queue starts it: configuration and authority over the snapshot of now, then
-        its hold (a `shard-hold` record naming its admission, whose id it keeps). A grant revoked or a budget spent
-        since it was admitted refuses it here, by name (a denial record). `on_held(conn, admission)` files the held
-        admission with its call in the hold's transaction (a replica that takes the call over settles that hold)."""
-        case = Case.carried(admission, None, {"admission": admission.id}, requeued=AT_START)
-        got = self.run(replace(case, on_admitted=on_held))
-        assert isinstance(got, Admission)
-        return got
+        """A map's later shard, as the queue starts it: its hold over the snapshot of now (a `shard-hold` record
+        naming its admission, whose id it keeps). A budget spent or a credential revoked since it was admitted
+        refuses it here, by name (a denial record). `on_held(conn, admission)` files the held admission with its
+        call in the hold's transaction (a replica that takes the call over settles that hold)."""
+        try:
+            return self._phases.start_hold(self.state.snapshot, admission, on_held)
+        except AdmissionDenied as exc:
+            case = Case.carried(admission, None, {"admission": admission.id}, requeued=AT_START)
+            raise self._refused(case, Phase.BUDGET_HOLD, exc) from None
 
     def run(self, case: Case, map_approval: str | None = None) -> Admission | ApprovalView:
         """One pass: every phase the case does not carry, in order, over one snapshot. The first shard of an array
