@@ -75,3 +75,4 @@ def test_an_arrays_decision_ends_with_a_new_snapshot(monkeypatch):
     monkeypatch.setattr(decisions_module.time, "time", lambda: HOUR + 10)
     d.keep(Snapshot(seq=1), _case(ARRAY, None))
     assert "decided_with" not in d.reuse(Snapshot(seq=2), _case(ARRAY, None, 1)).payload
+

@@ -133,3 +133,19 @@ def test_a_ledger_down_past_the_patience_fails_the_start_with_its_cause(monkeypa
     with pytest.raises(LedgerUnavailable):
         plane._hold_at_start(state, _Admitter(*[LedgerUnavailable("down")] * 10))
     assert state.holds == []
+
+
+def test_an_idle_body_the_queue_gave_a_refused_shard_is_ended(monkeypatch):
+    """The queue handed the shard an idle warm body and gives its place back as the shard leaves: the body ends,
+    so it does not keep devices the queue counts free."""
+    from aisched_prefect.control.dispatch import queueing
+    from aisched_prefect.control.dispatch.running import Placement
+
+    ended: list[tuple[list[str], str]] = []
+    monkeypatch.setattr(queueing, "end_warm", lambda client, bodies, why: ended.append((bodies, why)) or bodies)
+    plane, state = _Plane(), _state()
+    plane.client = object()
+    state.placement = Placement(workers=["w0"], body="body-1")
+    refusal = AdmissionDenied("budget", "shard 'infer-1' (#1 of 3) of the map: no room", "raise it")
+    assert plane._hold_at_start(state, _Admitter(refusal)).status == "denied"
+    assert ended == [(["body-1"], "the run placed on it was refused as it started (budget)")]

@@ -145,6 +145,40 @@ def test_a_map_larger_than_its_budget_runs_the_shards_that_fit_and_refuses_the_r
     assert account["pending"] == 0 and 0.3 < account["posted"] <= 0.35, account
 
 
+def test_a_map_whose_budget_cannot_cover_one_shard_is_refused_at_admission_every_shard(control_plane):
+    """The array's decider holds as it is admitted, and the shards after it defer only behind a decider that held:
+    a map whose budget has no room for one shard's estimate (0.1) never reaches the queue."""
+    t = tenant(control_plane, budget_=budget(limit=0.05))
+
+    @flow(task_runner=t.runner())
+    def batch():
+        futures = spends.map(range(4))
+        for f in futures:
+            f.wait()
+        return [f.state for f in futures], str(FlowRunContext.get().flow_run.id)
+
+    states, run = batch()
+    assert not any(s.is_completed() for s in states)
+    for s in states:
+        assert "of the map: budget" in str(s.result(raise_on_failure=False))
+    kinds = [r.kind for r in control_plane.records(run)]
+    assert kinds == ["denial"] * 4, kinds  # nothing admitted, queued, held or settled
+
+
+def _started(batch, got: dict) -> threading.Thread:
+    """Run the flow `batch` on a thread of its own; its return value lands in got["out"]."""
+    runner = threading.Thread(target=lambda: got.setdefault("out", batch()))
+    runner.start()
+    return runner
+
+
+def _one_running_four_queued(control_plane) -> None:
+    """Wait until the cluster's one A10 runs one shard of a five-shard map of `held` and four wait in the queue."""
+    queue = lambda: control_plane.ok("GET", "/v1/queue")  # noqa: E731
+    wait_until(lambda: queue()["running"] >= 1 and queue()["queued"] >= 4, 120,
+               what="one shard running on the A10, four queued")
+
+
 def test_a_maps_waiting_shards_hold_nothing_until_the_queue_starts_them(control_plane, tmp_path):
     """A map holds what runs at once (the cluster's one A10: one shard), not its whole estimate."""
     t = tenant(control_plane, budget_=budget(limit=0.35))  # five shards' estimates (0.5) would not fit at once
@@ -156,12 +190,9 @@ def test_a_maps_waiting_shards_hold_nothing_until_the_queue_starts_them(control_
         got["run"] = str(FlowRunContext.get().flow_run.id)
         return [f.result() for f in held.map(range(5), flag=flag)]
 
-    runner = threading.Thread(target=lambda: got.setdefault("out", batch()))
-    runner.start()
+    runner = _started(batch, got)
     try:
-        queue = lambda: control_plane.ok("GET", "/v1/queue")  # noqa: E731
-        wait_until(lambda: queue()["running"] >= 1 and queue()["queued"] >= 4, 120,
-                   what="one shard running on the A10, four queued")
+        _one_running_four_queued(control_plane)
         (account,) = accounts_of(control_plane, t)
         # The running shard's hold, and the first shard's (held as it was admitted, wherever it waits): not five.
         assert account["pending"] in (pytest.approx(0.1), pytest.approx(0.2)), account
@@ -186,12 +217,9 @@ def test_a_revocation_stops_the_running_shard_within_a_second_and_admits_none_of
             f.wait()
         return [f.state for f in futures], str(FlowRunContext.get().flow_run.id)
 
-    runner = threading.Thread(target=lambda: got.setdefault("out", batch()))
-    runner.start()
+    runner = _started(batch, got)
     try:
-        queue = lambda: control_plane.ok("GET", "/v1/queue")  # noqa: E731
-        wait_until(lambda: queue()["running"] >= 1 and queue()["queued"] >= 4, 120,
-                   what="one shard running on the A10, four queued")
+        _one_running_four_queued(control_plane)
         revoked_at = time.time()
         assert control_plane.revoke(root, "incident").status_code == 200
         runner.join(timeout=120)

@@ -173,9 +173,11 @@ class Pipeline:
                         case = self.decisions.reuse(snap, case)
                     if holds_at_start(case, self.defers):
                         case = replace(case, defer_hold=True)
-                elif phase is Phase.APPROVAL:
+                elif phase is Phase.BUDGET_HOLD and not case.asking:
+                    # Kept once its decider holds: a later shard defers its own hold only behind one that held, so
+                    # a map whose budget has no room for one shard is refused at admission, shard by shard.
                     self.decisions.keep(snap, case)
-                    if deciding is not None and not case.asking:
+                    if deciding is not None:
                         deciding.release()
                         deciding = None
         finally:

@@ -20,7 +20,7 @@ from aisched_prefect.errors import AdmissionDenied
 from aisched_prefect.ledger import Hold
 from aisched_prefect.request import AIRequest
 from aisched_prefect.wire import Reply
-from dask_gpu import StopRequested, request_stop
+from dask_gpu import StopRequested, end_warm, request_stop
 from dask_gpu.scheduler.queue import ENTER_STREAM_OP, LEAVE_STREAM_OP
 
 logger = logging.getLogger("aisched_prefect.control")
@@ -81,6 +81,12 @@ class Queueing:
                              what=f"AI task {adm0.task_name} (admission {adm0.id}) started")
         except AdmissionDenied as exc:
             self.settle(state, None, {"outcome": "refused-at-start", "stage": exc.stage, "error": exc.reason})
+            if state.placement is not None and state.placement.body:  # the queue gave it an idle body: end it, or
+                try:  # it would keep its devices while the queue counts them free once the run leaves
+                    end_warm(self.client, [state.placement.body],  # type: ignore[attr-defined]
+                             f"the run placed on it was refused as it started ({exc.stage})")
+                except Exception as lost:  # noqa: BLE001 - the body still ends at its keep-warm time
+                    logger.warning("could not end warm body %s: %s", state.placement.body, lost)
             return denied(exc.stage, exc.reason, exc.fix)
         with state.holds_lock:  # the watcher renews what `holds` lists from now on
             state.admission, state.holds = adm, list(adm.holds)
