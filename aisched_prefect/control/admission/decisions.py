@@ -7,7 +7,9 @@ snapshot is the same object (any authority record, a revocation or an apply, mak
 DECISION_SECONDS (the inventories feasibility reads are that fresh), never past the chain's earliest expiry
 nor, under a policy with a rule by hours_utc, a whole UTC hour (where that rule turns). Budget is not part of
 it: each element holds its own and has its own admission record, naming the element whose admission decided it
-(`decided_with`). A decision that asks a person is never reused: each call is asked on its own.
+(`decided_with`); a decision is kept once its decider's hold is taken, and a map's later shards the queue starts
+hold as it starts them (pipeline.holds_at_start). A decision that asks a person is never reused: each call is
+asked on its own.
 
 A `.map()` the flow marks as one array (`CallMeta.array`) is decided once for all its shards: the first shard's
 admission takes the decision while the others wait for it (one lock per array), and it holds for the array's
