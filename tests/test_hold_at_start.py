@@ -149,3 +149,28 @@ def test_an_idle_body_the_queue_gave_a_refused_shard_is_ended(monkeypatch):
     refusal = AdmissionDenied("budget", "shard 'infer-1' (#1 of 3) of the map: no room", "raise it")
     assert plane._hold_at_start(state, _Admitter(refusal)).status == "denied"
     assert ended == [(["body-1"], "the run placed on it was refused as it started (budget)")]
+
+
+def test_a_calls_new_holds_are_filed_with_it_in_their_transaction():
+    """A preempted run admitted again, or a map's shard held as it starts, files its admission with its call in
+    the transaction of its hold (the connection the ledger hands `on_admitted`): a replica that takes the call
+    over settles those holds, not ones already settled, and does not hold again."""
+    from aisched_prefect.control.runs import CallAdmitter
+
+    filed: list[tuple[str, dict, Any]] = []
+    again = _admission(id="9", holds=[HOLD], hold_at_start=False)
+
+    class Pipeline:
+        def readmit(self, admission, reason, on_admitted):
+            on_admitted("conn-of-the-hold", again)
+            return again
+
+        def hold_at_start(self, admission, on_held):
+            on_held("conn-of-the-hold", again)
+            return again
+
+    calls = SimpleNamespace(admitted=lambda key, adm, conn: filed.append((key, adm, conn)))
+    admitter = CallAdmitter(Pipeline(), calls, "call-1")  # type: ignore[arg-type]
+    assert admitter.readmit(_admission(), "preempted") is again
+    assert admitter.hold_at_start(_admission()) is again
+    assert filed == [("call-1", again.model_dump(mode="json"), "conn-of-the-hold")] * 2

@@ -99,18 +99,21 @@ def abandon_waiting(dispatcher: Dispatcher, keys: list[str]) -> None:
 
 
 class CallAdmitter:
-    """The pipeline as one call's admitter in dispatch: a map's shard held as it starts files that hold with its call,
-    in the hold's transaction, so a replica that takes the call over settles it instead of holding again."""
+    """The pipeline as one call's admitter in dispatch: a map's shard held as it starts, or a preempted run admitted
+    again, files its new holds with its call in the hold's transaction, so a replica that takes the call over
+    settles those, not holds already settled, and does not hold again."""
 
     def __init__(self, pipeline: Pipeline, calls: CallBook, key: str) -> None:
         self.pipeline, self.calls, self.key = pipeline, calls, key
 
     def readmit(self, admission: Admission, reason: str) -> Admission:
-        return self.pipeline.readmit(admission, reason)
+        return self.pipeline.readmit(admission, reason, self._file)
 
     def hold_at_start(self, admission: Admission) -> Admission:
-        return self.pipeline.hold_at_start(
-            admission, lambda conn, held: self.calls.admitted(self.key, held.model_dump(mode="json"), conn))
+        return self.pipeline.hold_at_start(admission, self._file)
+
+    def _file(self, conn: Any, admission: Admission) -> None:
+        self.calls.admitted(self.key, admission.model_dump(mode="json"), conn)
 
 
 class Runs:

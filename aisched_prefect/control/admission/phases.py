@@ -253,9 +253,12 @@ class Phases:
         usage = stages.expected_usage(prior.request, prior.reserved)
         try:
             lines = stages.lines(case.bound, prior.facts, usage, prior.shares, self.ledger.now())
-            held, record = self.ledger.reserve(lines, kind="admission", payload={
+            on_admitted = case.on_admitted  # a preempted run's call: filed with its new admission, or a replica
+            held, record = self.ledger.reserve(lines, kind="admission", payload={  # taking it over reuses settled holds
                 **case.payload, "chain": [g.id for g in case.chain], "grant": case.chain[-1].id,
-                "approval": "requeued after preemption"}, **prior.ids)
+                "approval": "requeued after preemption"}, **prior.ids,
+                also=None if on_admitted is None else lambda conn, held, rec: on_admitted(conn, prior.model_copy(
+                    update={"id": str(rec.seq), "holds": held, "hold_at_start": False})))
         except InvalidLedgerInput as exc:
             raise AdmissionDenied("budget", exc.reason, exc.fix) from None
         except BudgetExceeded as exc:

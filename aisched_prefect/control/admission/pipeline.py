@@ -125,10 +125,13 @@ class Pipeline:
                                   "for a shard of this map", "run the flow again to ask for this call")
         return meta.admission
 
-    def readmit(self, admission: Admission, reason: str) -> Admission:
+    def readmit(self, admission: Admission, reason: str,
+                on_admitted: Callable[[Any, Admission], None] | None = None) -> Admission:
         """Admit a preempted run again: authority and budget as they are now, a new hold. A grant revoked or a
-        budget spent while it ran ends it here, denied. An approval it had covers the call and is not asked again."""
-        got = self.run(Case.carried(admission, None, {"requeued": reason}, requeued=reason))
+        budget spent while it ran ends it here, denied. An approval it had covers the call and is not asked again.
+        `on_admitted(conn, admission)` files the new admission with its call in the hold's transaction."""
+        case = Case.carried(admission, None, {"requeued": reason}, requeued=reason)
+        got = self.run(replace(case, on_admitted=on_admitted))
         assert isinstance(got, Admission)
         return got
 
