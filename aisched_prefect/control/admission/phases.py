@@ -250,22 +250,32 @@ class Phases:
         assert prior is not None and case.bound is not None
         if case.requeued is None:
             return replace(case, admission=prior)
-        usage = stages.expected_usage(prior.request, prior.reserved)
-        try:
-            lines = stages.lines(case.bound, prior.facts, usage, prior.shares, self.ledger.now())
-            on_admitted = case.on_admitted  # a preempted run's call: filed with its new admission, or a replica
-            held, record = self.ledger.reserve(lines, kind="admission", payload={  # taking it over reuses settled holds
+        try:  # a preempted run's call is filed with its new admission, or a replica taking it over reuses settled holds
+            again = self._hold_prior(case.bound, prior, "admission", {
                 **case.payload, "chain": [g.id for g in case.chain], "grant": case.chain[-1].id,
-                "approval": "requeued after preemption"}, **prior.ids,
-                also=None if on_admitted is None else lambda conn, held, rec: on_admitted(conn, prior.model_copy(
-                    update={"id": str(rec.seq), "holds": held, "hold_at_start": False})))
+                "approval": "requeued after preemption"}, case.on_admitted, new_id=True)
         except InvalidLedgerInput as exc:
             raise AdmissionDenied("budget", exc.reason, exc.fix) from None
         except BudgetExceeded as exc:
             raise AdmissionDenied("budget", f"{exc} (queued again after a preemption)",
                                   f"an operator raises the limit of {exc.budget!r}") from None
-        return replace(case, admission=prior.model_copy(update={"id": str(record.seq), "holds": held,
-                                                                 "hold_at_start": False}))
+        return replace(case, admission=again)
+
+    def _hold_prior(self, bound: stages.Bound, prior: Admission, kind: str, payload: dict[str, Any],
+                    on_filed: Callable[[Any, Admission], None] | None, new_id: bool) -> Admission:
+        """Hold the estimate of a run admitted before (preempted, or a map's shard as it starts) on the accounts
+        `bound` names now; `on_filed(conn, admission)` files the held admission in the hold's transaction. Its id
+        is the hold's record (`new_id`) or its admission's. Raises BudgetExceeded or InvalidLedgerInput."""
+        usage = stages.expected_usage(prior.request, prior.reserved)
+        lines = stages.lines(bound, prior.facts, usage, prior.shares, self.ledger.now())
+
+        def held_as(held: list[Hold], record: EvidenceRecord) -> Admission:
+            return prior.model_copy(update={**({"id": str(record.seq)} if new_id else {}), "holds": held,
+                                            "hold_at_start": False})
+
+        held, record = self.ledger.reserve(lines, kind=kind, payload=payload, **prior.ids, also=None if on_filed is None
+                                           else lambda conn, held, record: on_filed(conn, held_as(held, record)))
+        return held_as(held, record)
 
     def start_hold(self, snap: Snapshot, prior: Admission,
                    on_held: Callable[[Any, Admission], None] | None = None) -> Admission:
@@ -277,21 +287,16 @@ class Phases:
             raise AdmissionDenied("authority", f"the credential of {prior.principal!r} was revoked or expired while "
                                   "the run waited in the queue", "an operator issues a new one")
         bound = stages.configuration(snap, cred)
-        usage = stages.expected_usage(prior.request, prior.reserved)
         try:
-            lines = stages.lines(bound, prior.facts, usage, prior.shares, self.ledger.now())
-            held, _ = self.ledger.reserve(
-                lines, kind="shard-hold", payload={"task": prior.task_name, "admission": prior.id,
-                                                   "grant": prior.chain[-1] if prior.chain else None},
-                **prior.ids, also=None if on_held is None else lambda conn, held, _rec: on_held(
-                    conn, prior.model_copy(update={"holds": held, "hold_at_start": False})))
+            return self._hold_prior(bound, prior, "shard-hold", {
+                "task": prior.task_name, "admission": prior.id, "grant": prior.chain[-1] if prior.chain else None},
+                on_held, new_id=False)
         except InvalidLedgerInput as exc:
             raise AdmissionDenied("budget", exc.reason, exc.fix) from None
         except BudgetExceeded as exc:
             raise AdmissionDenied("budget", f"{exc} (as the queue started it)",
                                   f"an operator raises the limit of {exc.budget!r} in budget "
                                   f"{bound.budget.name!r}") from None
-        return prior.model_copy(update={"holds": held, "hold_at_start": False})
 
     def record(self, snap: Snapshot, case: Case) -> Case:
         """A new call that asks a person files its request (announced as a Prefect event); one admitted without
